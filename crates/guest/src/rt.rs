@@ -1,0 +1,835 @@
+//! The guest runtime the generated stubs call: a connection per application thread to the
+//! router, request building with bulk data placed in shared memory, reply decoding, object
+//! shells (the pointers the application holds), and info-result translation.
+
+use hira_opencl::cl::*;
+use hira_opencl::{InfoMode, INVALID_HANDLE, K_MEM, K_PLATFORM};
+use hira_transport::{Conn, FrameReader, ShmRegion};
+use hira_wire::{control, flags, Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+pub use crate::callbacks::CallbackKind;
+
+/// Payloads up to this size travel inside the frame; larger ones through shared memory.
+const INLINE_MAX: u64 = 32 << 10;
+/// Initial shared-memory region (virtual; pages are touched only when used).
+const SHM_INITIAL: usize = 64 << 20;
+/// Largest shared-memory region a connection grows to.
+const SHM_MAX: usize = 1 << 31;
+/// Flush the batch of asynchronous calls once it holds this many bytes.
+const BATCH_MAX: usize = 64 << 10;
+
+/// An object the application holds: the ICD loader requires the dispatch pointer first.
+#[repr(C)]
+pub struct Shell {
+    dispatch: *const crate::IcdDispatch,
+    pub id: u64,
+    pub kind: u8,
+    /// CL_MEM_USE_HOST_PTR buffers: the application's pointer.
+    pub host_ptr: std::sync::atomic::AtomicPtr<c_void>,
+}
+
+fn shells() -> &'static Mutex<HashMap<u64, usize>> {
+    static S: OnceLock<Mutex<HashMap<u64, usize>>> = OnceLock::new();
+    S.get_or_init(Default::default)
+}
+
+/// The shell for server object `id` of `kind` (the same pointer every time), or null for 0.
+pub fn shell(id: u64, kind: u8) -> *mut c_void {
+    if id == 0 {
+        return std::ptr::null_mut();
+    }
+    let mut map = shells().lock().unwrap_or_else(|e| e.into_inner());
+    let p = *map.entry(id).or_insert_with(|| {
+        let b = Box::new(Shell {
+            dispatch: &crate::DISPATCH,
+            id,
+            kind,
+            host_ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+        });
+        Box::into_raw(b) as usize
+    });
+    p as *mut c_void
+}
+
+/// The shell behind an application pointer, if it is one of ours.
+pub fn shell_ref<'a>(p: *mut c_void) -> Option<&'a Shell> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: the ICD loader already read the dispatch pointer through `p`, so it is readable;
+    // we only trust it after finding the same pointer registered under the id it holds.
+    let s = unsafe { &*(p as *const Shell) };
+    let map = shells().lock().unwrap_or_else(|e| e.into_inner());
+    (map.get(&s.id) == Some(&(p as usize))).then_some(s)
+}
+
+/// The wire id of an application handle: 0 for null, an id no table holds for a pointer
+/// that is not one of our shells (so the server answers with the API's invalid-handle error).
+pub fn id_of(p: *mut c_void) -> u64 {
+    match shell_ref(p) {
+        Some(s) => s.id,
+        None if p.is_null() => 0,
+        None => u64::MAX,
+    }
+}
+
+static NEXT_GUEST_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh id for an object the guest names before the server creates it (events of
+/// asynchronous enqueues); the high bit keeps it apart from server-assigned ids.
+fn guest_id() -> u64 {
+    (1 << 63) | NEXT_GUEST_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+// ---------------------------------------------------------------------------------------
+// Connections
+
+/// One connection to the router.
+pub struct Connection {
+    sock: Conn,
+    reader: FrameReader,
+    shm: ShmRegion,
+    shm_top: u64,
+    seq: u64,
+    batch: Vec<u8>,
+    /// Calls being built on this thread (nested helper calls must not reset the shm).
+    building: u32,
+}
+
+fn socket_path() -> Option<std::path::PathBuf> {
+    std::env::var_os("HIRA_SOCKET").map(Into::into)
+}
+
+impl Connection {
+    pub fn open(role: u32) -> Result<Connection, i32> {
+        let path = socket_path().ok_or(CL_DEVICE_NOT_AVAILABLE)?;
+        let sock = Conn::connect(&path).map_err(|e| log_err("connect", e))?;
+        let shm = ShmRegion::create("hira-guest", SHM_INITIAL).map_err(|e| log_err("shm", e))?;
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        w.u32(role);
+        w.u32(std::process::id());
+        // SAFETY: gettid has no preconditions.
+        w.u64(unsafe { libc::gettid() } as u64);
+        w.u64(shm.len() as u64);
+        finish_frame(&mut w.buf, Kind::Control, control::HELLO, 0, 0, 0);
+        sock.send(&w.buf, &[shm.fd()]).map_err(|e| log_err("hello", e))?;
+        let reader = FrameReader::new(sock.try_clone().map_err(|e| log_err("clone", e))?);
+        let mut c = Connection { sock, reader, shm, shm_top: 0, seq: 0, batch: Vec::new(), building: 0 };
+        let (h, payload) = c.read_frame()?;
+        let mut r = Reader::new(&payload);
+        let (_tenant, _conn, status) = (r.u64(), r.u64(), r.i32().unwrap_or(CL_OUT_OF_RESOURCES));
+        if h.opcode != control::WELCOME || status != 0 {
+            return Err(if status != 0 { status } else { CL_OUT_OF_RESOURCES });
+        }
+        Ok(c)
+    }
+
+    /// The next frame from the router (the callback listener's loop).
+    pub fn next_frame(&mut self) -> Result<(Header, Vec<u8>), i32> {
+        self.read_frame()
+    }
+
+    fn read_frame(&mut self) -> Result<(Header, Vec<u8>), i32> {
+        match self.reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {
+            Ok(Some(f)) => {
+                let h = Header::parse(f).map_err(|_| CL_OUT_OF_RESOURCES)?;
+                Ok((h, f[HEADER_LEN..].to_vec()))
+            }
+            Ok(None) => Err(log_code("router closed the connection", CL_OUT_OF_RESOURCES)),
+            Err(e) => Err(log_err("read", e)),
+        }
+    }
+
+    fn flush(&mut self) -> Result<(), i32> {
+        if self.batch.is_empty() {
+            return Ok(());
+        }
+        let r = self.sock.send(&self.batch, &[]);
+        self.batch.clear();
+        r.map_err(|e| log_err("send", e))
+    }
+
+    /// Room in shared memory for `len` bytes; grows the region if needed.
+    fn shm_alloc(&mut self, len: u64) -> Result<u64, i32> {
+        let at = (self.shm_top + 63) & !63;
+        let end = at.checked_add(len).ok_or(CL_OUT_OF_HOST_MEMORY)?;
+        if end > self.shm.len() as u64 {
+            self.grow(end)?;
+        }
+        self.shm_top = end;
+        Ok(at)
+    }
+
+    fn grow(&mut self, need: u64) -> Result<(), i32> {
+        let mut size = self.shm.len();
+        while (size as u64) < need {
+            size = size.saturating_mul(2);
+        }
+        if size > SHM_MAX {
+            return Err(log_code("transfer larger than the shared-memory limit", CL_OUT_OF_HOST_MEMORY));
+        }
+        let new = ShmRegion::create("hira-guest", size).map_err(|e| log_err("shm", e))?;
+        // Keep what a call under construction already placed.
+        if self.shm_top > 0 {
+            // SAFETY: both regions are at least shm_top bytes long and distinct mappings.
+            unsafe { std::ptr::copy_nonoverlapping(self.shm.as_ptr(), new.as_ptr(), self.shm_top as usize) };
+        }
+        self.flush()?;
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        w.u64(size as u64);
+        self.seq += 1;
+        finish_frame(&mut w.buf, Kind::Control, control::SHM_GROW, self.seq, flags::ASYNC, 0);
+        self.sock.send(&w.buf, &[new.fd().as_fd()]).map_err(|e| log_err("grow", e))?;
+        self.shm = new;
+        Ok(())
+    }
+}
+
+fn finish_frame(buf: &mut [u8], kind: Kind, opcode: u16, seq: u64, fl: u8, bulk: u64) {
+    let mut h = Header::new(kind, opcode, seq, buf.len() - HEADER_LEN);
+    h.flags = fl;
+    h.bulk = bulk;
+    h.write_to(&mut buf[..HEADER_LEN]);
+}
+
+fn log_err(what: &str, e: impl std::fmt::Display) -> i32 {
+    if std::env::var_os("HIRA_DEBUG").is_some() {
+        eprintln!("hira: {what}: {e}");
+    }
+    CL_OUT_OF_RESOURCES
+}
+
+fn log_code(what: &str, code: i32) -> i32 {
+    if std::env::var_os("HIRA_DEBUG").is_some() {
+        eprintln!("hira: {what} ({code})");
+    }
+    code
+}
+
+thread_local! {
+    static CONN: RefCell<Option<Connection>> = const { RefCell::new(None) };
+}
+
+/// Run `f` on this thread's connection, opening it on first use.
+pub fn with_conn<T>(f: impl FnOnce(&mut Connection) -> Result<T, i32>) -> Result<T, i32> {
+    CONN.with(|c| {
+        let mut c = c.try_borrow_mut().map_err(|_| CL_OUT_OF_RESOURCES)?;
+        if c.is_none() {
+            *c = Some(Connection::open(control::ROLE_CALLS)?);
+        }
+        f(c.as_mut().expect("opened above"))
+    })
+}
+
+/// Whether a router can be reached at all (for platform enumeration).
+pub fn available() -> bool {
+    with_conn(|_| Ok(())).is_ok()
+}
+
+// ---------------------------------------------------------------------------------------
+// Calls
+
+enum OutSlot {
+    Null,
+    Inline { ptr: *mut u8, cap: u64 },
+    Shm { ptr: *mut u8, off: u64, cap: u64 },
+}
+
+/// A request under construction.
+pub struct Call {
+    op: u16,
+    w: Writer,
+    outs: Vec<OutSlot>,
+    bulk: u64,
+    saved_info: Option<Vec<u8>>,
+    use_host_ptr: *mut c_void,
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        let _ = with_conn(|c| {
+            c.building = c.building.saturating_sub(1);
+            Ok(())
+        });
+    }
+}
+
+impl Call {
+    pub fn new(op: u16) -> Call {
+        let _ = with_conn(|c| {
+            c.building += 1;
+            Ok(())
+        });
+        Call { op, w: Writer::with_header_room(HEADER_LEN), outs: Vec::new(), bulk: 0, saved_info: None, use_host_ptr: std::ptr::null_mut() }
+    }
+
+    pub fn u64(&mut self, v: u64) {
+        self.w.u64(v);
+    }
+
+    pub fn handle(&mut self, h: *mut c_void) {
+        self.w.u64(id_of(h));
+    }
+
+    fn blob(&mut self, p: *const u8, len: u64) -> Result<(), i32> {
+        if p.is_null() {
+            self.w.blob(Blob::Null);
+            return Ok(());
+        }
+        // SAFETY: the application passes `len` readable bytes at `p` (API contract; the
+        // length comes from the spec's descriptor for this parameter).
+        let data = unsafe { std::slice::from_raw_parts(p, len as usize) };
+        if len <= INLINE_MAX {
+            self.w.blob(Blob::Inline(data));
+            return Ok(());
+        }
+        let off = with_conn(|c| {
+            let off = c.shm_alloc(len)?;
+            c.shm.write_at(off, data).map_err(|e| log_err("shm write", e))?;
+            Ok(off)
+        })?;
+        self.bulk += len;
+        self.w.blob(Blob::Shm { offset: off, len });
+        Ok(())
+    }
+
+    /// # Safety
+    /// `p` is null or points to `len` readable bytes.
+    pub unsafe fn in_bytes(&mut self, p: *const u8, len: u64) {
+        if self.blob(p, len).is_err() {
+            self.w.blob(Blob::Null);
+        }
+    }
+
+    /// # Safety
+    /// `p` is null or points to `n` handles.
+    pub unsafe fn in_handles(&mut self, p: *const *mut c_void, n: u64) {
+        if p.is_null() {
+            self.w.blob(Blob::Null);
+            return;
+        }
+        let mut ids = Vec::with_capacity(n as usize * 8);
+        for i in 0..n as usize {
+            // SAFETY: the caller passes n handles.
+            ids.extend_from_slice(&id_of(unsafe { *p.add(i) }).to_le_bytes());
+        }
+        self.w.blob(Blob::Inline(&ids));
+    }
+
+    /// # Safety
+    /// `p` is null or a NUL-terminated string.
+    pub unsafe fn string(&mut self, p: *const std::ffi::c_char) {
+        if p.is_null() {
+            self.w.blob(Blob::Null);
+            return;
+        }
+        // SAFETY: NUL-terminated by contract.
+        let s = unsafe { std::ffi::CStr::from_ptr(p) }.to_bytes();
+        // SAFETY: s is a live slice.
+        unsafe { self.in_bytes(s.as_ptr(), s.len() as u64) };
+    }
+
+    /// `n` strings; a null or zero entry in `lengths` means NUL-terminated.
+    ///
+    /// # Safety
+    /// `p` is null or points to `n` pointers to strings/buffers of the given lengths.
+    pub unsafe fn strings(&mut self, p: *const *const u8, n: u64, lengths: *const usize) {
+        if p.is_null() {
+            self.w.u64(u64::MAX);
+            return;
+        }
+        self.w.u64(n);
+        for i in 0..n as usize {
+            // SAFETY: the caller passes n entries.
+            let s = unsafe { *p.add(i) };
+            // SAFETY: lengths, if given, has n entries.
+            let given = if lengths.is_null() { 0 } else { unsafe { *lengths.add(i) } };
+            let len = if s.is_null() {
+                0
+            } else if given != 0 {
+                given
+            } else {
+                // SAFETY: NUL-terminated by contract when no length is given.
+                unsafe { std::ffi::CStr::from_ptr(s as *const std::ffi::c_char) }.to_bytes().len()
+            };
+            // SAFETY: s has len readable bytes.
+            unsafe { self.in_bytes(s, len as u64) };
+        }
+    }
+
+    /// A zero-terminated property list (pairs of 64-bit values).
+    ///
+    /// # Safety
+    /// `p` is null or a zero-terminated list of key/value pairs.
+    pub unsafe fn properties(&mut self, p: *const u64, context: bool) {
+        if p.is_null() {
+            self.w.blob(Blob::Null);
+            return;
+        }
+        let mut v = Vec::new();
+        let mut i = 0;
+        loop {
+            // SAFETY: zero-terminated by contract.
+            let key = unsafe { *p.add(i) };
+            v.extend_from_slice(&key.to_le_bytes());
+            if key == 0 || i > 1024 {
+                break;
+            }
+            // SAFETY: every non-zero key has a value.
+            let mut val = unsafe { *p.add(i + 1) };
+            if context && key as i64 == CL_CONTEXT_PLATFORM {
+                val = id_of(val as *mut c_void);
+            }
+            v.extend_from_slice(&val.to_le_bytes());
+            i += 2;
+        }
+        self.w.blob(Blob::Inline(&v));
+    }
+
+    /// A host pointer read only when the flags ask the implementation to read it.
+    ///
+    /// # Safety
+    /// When flags hold USE/COPY_HOST_PTR, `p` points to `len` readable bytes.
+    pub unsafe fn host_buffer(&mut self, p: *const u8, flags: u64, len: u64) {
+        if flags & CL_MEM_USE_HOST_PTR != 0 {
+            self.use_host_ptr = p as *mut c_void;
+        }
+        if flags & (CL_MEM_USE_HOST_PTR | CL_MEM_COPY_HOST_PTR) != 0 {
+            // SAFETY: as above.
+            unsafe { self.in_bytes(p, len) };
+        } else {
+            self.w.blob(if p.is_null() { Blob::Null } else { Blob::Inline(&[]) });
+        }
+    }
+
+    /// A `cl_image_desc` (72 bytes), its mem_object translated.
+    ///
+    /// # Safety
+    /// `p` is null or points to a cl_image_desc.
+    pub unsafe fn image_desc(&mut self, p: *const u8) {
+        if p.is_null() {
+            self.w.blob(Blob::Null);
+            return;
+        }
+        let mut d = [0u8; 72];
+        // SAFETY: a cl_image_desc is 72 bytes.
+        unsafe { std::ptr::copy_nonoverlapping(p, d.as_mut_ptr(), 72) };
+        let mut mem = [0u8; 8];
+        mem.copy_from_slice(&d[64..72]);
+        let id = id_of(u64::from_le_bytes(mem) as *mut c_void);
+        d[64..72].copy_from_slice(&id.to_le_bytes());
+        self.w.blob(Blob::Inline(&d));
+    }
+
+    /// A kernel argument: NULL (local memory), a handle (memory object, sampler, queue) or bytes.
+    ///
+    /// # Safety
+    /// `p` is null or points to `size` readable bytes.
+    pub unsafe fn kernel_arg(&mut self, p: *const u8, size: u64) {
+        if p.is_null() {
+            self.w.u8(0);
+            return;
+        }
+        if size == 8 {
+            // SAFETY: 8 readable bytes.
+            let v = unsafe { std::ptr::read_unaligned(p as *const u64) };
+            if let Some(s) = shell_ref(v as *mut c_void) {
+                self.w.u8(2);
+                self.w.u64(s.id);
+                return;
+            }
+        }
+        self.w.u8(1);
+        // SAFETY: as above.
+        unsafe { self.in_bytes(p, size) };
+    }
+
+    pub fn callback(&mut self, kind: CallbackKind, pfn: *mut c_void, user_data: *mut c_void) {
+        let id = if pfn.is_null() { 0 } else { crate::callbacks::register(kind, pfn, user_data) };
+        self.w.u64(id);
+    }
+
+    /// An object the call will create, named by the guest now.
+    ///
+    /// # Safety
+    /// `p` is null or writable.
+    pub unsafe fn new_handle(&mut self, p: *mut *mut c_void, kind: u8) {
+        if p.is_null() {
+            self.w.u64(0);
+            return;
+        }
+        let id = guest_id();
+        // SAFETY: writable by contract.
+        unsafe { *p = shell(id, kind) };
+        self.w.u64(id);
+    }
+
+    /// Room for `cap` output bytes at `p`.
+    pub fn out_bytes(&mut self, p: *mut u8, cap: u64) {
+        if p.is_null() {
+            self.w.out_spec(OutSpec::Null);
+            self.outs.push(OutSlot::Null);
+            return;
+        }
+        if cap > INLINE_MAX {
+            if let Ok(off) = with_conn(|c| c.shm_alloc(cap)) {
+                self.w.out_spec(OutSpec::Shm { offset: off, len: cap });
+                self.outs.push(OutSlot::Shm { ptr: p, off, cap });
+                self.bulk += cap;
+                return;
+            }
+        }
+        self.w.out_spec(OutSpec::Inline { len: cap });
+        self.outs.push(OutSlot::Inline { ptr: p, cap });
+    }
+
+    /// An info-query result; keeps what the guest answers itself.
+    pub fn out_info(&mut self, param: u32, p: *mut u8, cap: u64) {
+        if param == CL_PROGRAM_BINARIES && !p.is_null() {
+            // SAFETY: cap bytes at p (API contract).
+            self.saved_info = Some(unsafe { std::slice::from_raw_parts(p, cap as usize) }.to_vec());
+        }
+        self.out_bytes(p, cap);
+    }
+
+    fn frame(&mut self, fl: u8) -> Result<(), i32> {
+        let bulk = self.bulk;
+        let op = self.op;
+        let buf = &mut self.w.buf;
+        with_conn(|c| {
+            c.seq += 1;
+            finish_frame(buf, Kind::Request, op, c.seq, fl, bulk);
+            Ok(())
+        })
+    }
+
+    /// Forward without waiting; the frame joins the batch.
+    pub fn send_async(mut self) -> Result<i32, i32> {
+        self.frame(flags::ASYNC)?;
+        let buf = std::mem::take(&mut self.w.buf);
+        with_conn(|c| {
+            c.batch.extend_from_slice(&buf);
+            if c.batch.len() >= BATCH_MAX {
+                c.flush()?;
+            }
+            Ok(CL_SUCCESS)
+        })
+    }
+
+    /// Send (with the pending batch) and wait for the reply.
+    pub fn sync(mut self) -> Result<Reply, i32> {
+        self.frame(0)?;
+        let buf = std::mem::take(&mut self.w.buf);
+        let (h, payload) = with_conn(|c| {
+            c.batch.extend_from_slice(&buf);
+            c.flush()?;
+            let seq = c.seq;
+            loop {
+                let (h, payload) = c.read_frame()?;
+                if h.kind == Kind::Control && h.opcode == control::FAILED {
+                    let code = Reader::new(&payload).i32().unwrap_or(CL_OUT_OF_RESOURCES);
+                    if h.seq == seq || h.seq == 0 {
+                        return Err(log_code("call failed in the router", code));
+                    }
+                    continue;
+                }
+                if h.kind == Kind::Reply && h.seq == seq {
+                    if c.building <= 1 {
+                        c.shm_top = 0;
+                    }
+                    return Ok((h, payload));
+                }
+            }
+        })?;
+        let mut r = Reply { payload, pos: 0, outs: std::mem::take(&mut self.outs), next: 0, deferred: 0, saved_info: self.saved_info.take(), use_host_ptr: self.use_host_ptr };
+        let status = {
+            let mut rd = Reader::new(&r.payload);
+            let s = rd.i32().map_err(|_| CL_OUT_OF_RESOURCES)?;
+            if h.flags & flags::DEFERRED_ERROR != 0 {
+                r.deferred = rd.i32().map_err(|_| CL_OUT_OF_RESOURCES)?;
+                r.pos = 8;
+            } else {
+                r.pos = 4;
+            }
+            s
+        };
+        if status != 0 {
+            return Err(status);
+        }
+        Ok(r)
+    }
+}
+
+/// A decoded reply: `[status i32][deferred i32 if flagged][payload]`.
+pub struct Reply {
+    payload: Vec<u8>,
+    pos: usize,
+    outs: Vec<OutSlot>,
+    next: usize,
+    deferred: i32,
+    saved_info: Option<Vec<u8>>,
+    use_host_ptr: *mut c_void,
+}
+
+impl Reply {
+    /// The shell of an object this call created.
+    pub fn created(&self, id: u64, kind: u8) -> *mut c_void {
+        let h = shell(id, kind);
+        if !self.use_host_ptr.is_null() {
+            set_host_ptr(h, self.use_host_ptr);
+        }
+        h
+    }
+
+    fn reader(&self) -> Reader<'_> {
+        Reader::new(&self.payload[self.pos..])
+    }
+    pub fn i32(&mut self) -> Result<i32, i32> {
+        let v = self.reader().i32().map_err(|_| CL_OUT_OF_RESOURCES)?;
+        self.pos += 4;
+        Ok(v)
+    }
+    pub fn u64(&mut self) -> Result<u64, i32> {
+        let v = self.reader().u64().map_err(|_| CL_OUT_OF_RESOURCES)?;
+        self.pos += 8;
+        Ok(v)
+    }
+
+    /// Copy the next output into place; returns the bytes written.
+    ///
+    /// # Safety
+    /// `p` is the pointer registered for this output.
+    pub unsafe fn out_bytes(&mut self, _p: *mut u8) -> Result<u64, i32> {
+        let slot = self.outs.get(self.next).ok_or(CL_OUT_OF_RESOURCES)?;
+        self.next += 1;
+        match *slot {
+            OutSlot::Null => Ok(0),
+            OutSlot::Inline { ptr, cap } => {
+                let mut rd = self.reader();
+                let data = rd.bytes().map_err(|_| CL_OUT_OF_RESOURCES)?;
+                let n = (data.len() as u64).min(cap);
+                // SAFETY: ptr has cap writable bytes (API contract).
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr, n as usize) };
+                self.pos += 4 + data.len();
+                Ok(n)
+            }
+            OutSlot::Shm { ptr, off, cap } => {
+                let n = self.u64()?.min(cap);
+                // SAFETY: ptr has cap writable bytes; the region holds [off, off+cap).
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr, n as usize) };
+                with_conn(|c| c.shm.read_at(off, dst).map_err(|e| log_err("shm read", e)))?;
+                Ok(n)
+            }
+        }
+    }
+
+    /// Translate handle ids in the next output into shells.
+    ///
+    /// # Safety
+    /// `p` is the pointer registered for this output.
+    pub unsafe fn out_handles(&mut self, p: *mut *mut c_void, kind: u8) -> Result<(), i32> {
+        // SAFETY: forwarded contract.
+        let n = unsafe { self.out_bytes(p as *mut u8)? } as usize / 8;
+        for i in 0..n {
+            // SAFETY: p has at least n entries (written above).
+            unsafe {
+                let slot = p.add(i);
+                let id = *(slot as *const u64);
+                *slot = shell(id, kind);
+            }
+        }
+        Ok(())
+    }
+
+    /// Translate an info result the server returned in wire form.
+    pub fn info(&mut self, op: u16, param: u32, obj: *mut c_void, p: *mut u8, written: u64) {
+        if p.is_null() {
+            return;
+        }
+        let Some((mode, kind)) = hira_opencl::info_mode(op, param) else { return };
+        let words = (written / 8) as usize;
+        let word = |i: usize| {
+            // SAFETY: i < words, within the written output.
+            unsafe { (p as *mut u64).add(i) }
+        };
+        match mode {
+            InfoMode::Handle | InfoMode::Handles => {
+                for i in 0..words {
+                    // SAFETY: within the output.
+                    unsafe { *word(i) = shell(*word(i), kind) as u64 };
+                }
+            }
+            InfoMode::Properties => {
+                let mut i = 0;
+                while i + 1 < words {
+                    // SAFETY: within the output.
+                    unsafe {
+                        if *word(i) as i64 == CL_CONTEXT_PLATFORM {
+                            *word(i + 1) = shell(*word(i + 1), K_PLATFORM) as u64;
+                        }
+                    }
+                    i += 2;
+                }
+            }
+            InfoMode::Guest if param == CL_MEM_HOST_PTR && words >= 1 => {
+                let hp = shell_ref(obj).map_or(std::ptr::null_mut(), |s| s.host_ptr.load(Ordering::Relaxed));
+                // SAFETY: within the output.
+                unsafe { *word(0) = hp as u64 };
+            }
+            InfoMode::Guest if param == CL_PROGRAM_BINARIES => {
+                if let Some(saved) = self.saved_info.take() {
+                    crate::custom::program_binaries(obj, p, &saved);
+                }
+            }
+            InfoMode::Guest => {}
+        }
+    }
+
+    /// The call's status, or the first error of an earlier asynchronous call.
+    pub fn status(&self, ret: i32) -> Result<i32, i32> {
+        if ret == CL_SUCCESS && self.deferred != 0 {
+            return Ok(log_code("an earlier asynchronous call failed", self.deferred));
+        }
+        Ok(ret)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry guards
+
+/// Run a status-returning call; a panic or transport failure becomes an OpenCL error.
+pub fn status(_op: u16, f: impl FnOnce() -> Result<i32, i32>) -> i32 {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(v)) | Ok(Err(v)) => v,
+        Err(_) => CL_OUT_OF_HOST_MEMORY,
+    }
+}
+
+/// Run an object-creating call: writes errcode_ret and returns the handle (or null).
+pub fn create(errcode_ret: *mut i32, _op: u16, f: impl FnOnce() -> Result<(*mut c_void, i32), i32>) -> *mut c_void {
+    let (h, err) = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok((h, err))) => (if err == CL_SUCCESS { h } else { std::ptr::null_mut() }, err),
+        Ok(Err(e)) => (std::ptr::null_mut(), e),
+        Err(_) => (std::ptr::null_mut(), CL_OUT_OF_HOST_MEMORY),
+    };
+    if !errcode_ret.is_null() {
+        // SAFETY: a non-null errcode_ret points to a cl_int (API contract).
+        unsafe { *errcode_ret = err };
+    }
+    h
+}
+
+/// Log a call to a function hira does not forward.
+pub fn unsupported(name: &str) {
+    log_code(name, CL_INVALID_OPERATION);
+}
+
+/// Error a bad handle of `kind` gets.
+pub fn invalid(kind: u8) -> i32 {
+    INVALID_HANDLE.get(kind as usize).copied().unwrap_or(CL_INVALID_VALUE)
+}
+
+/// Record the host pointer of a CL_MEM_USE_HOST_PTR buffer.
+pub fn set_host_ptr(mem: *mut c_void, p: *mut c_void) {
+    if let Some(s) = shell_ref(mem).filter(|s| s.kind == K_MEM) {
+        s.host_ptr.store(p, Ordering::Relaxed);
+    }
+}
+
+/// Runtime-library helpers that size buffers in the spec's expressions.
+pub mod expr {
+    use super::*;
+
+    fn arr3(p: *const usize) -> [u64; 3] {
+        if p.is_null() {
+            return [0; 3];
+        }
+        // SAFETY: the spec describes these as 3-element arrays.
+        unsafe { [*p as u64, *p.add(1) as u64, *p.add(2) as u64] }
+    }
+
+    /// Host bytes a rectangle transfer touches.
+    pub fn rect_size(origin: *const usize, region: *const usize, row_pitch: u64, slice_pitch: u64) -> u64 {
+        let (o, r) = (arr3(origin), arr3(region));
+        let row = if row_pitch == 0 { r[0] } else { row_pitch };
+        let slice = if slice_pitch == 0 { row * r[1] } else { slice_pitch };
+        if r.contains(&0) {
+            return 0;
+        }
+        let first = o[2] * slice + o[1] * row + o[0];
+        first + (r[2] - 1) * slice + (r[1] - 1) * row + r[0]
+    }
+
+    fn image_info(image: *mut c_void, param: u32) -> u64 {
+        let mut v: u64 = 0;
+        // SAFETY: an 8-byte output for a size_t info value.
+        let ret = unsafe {
+            crate::stubs::clGetImageInfo(image, param, 8, &mut v as *mut u64 as *mut c_void, std::ptr::null_mut())
+        };
+        if ret == CL_SUCCESS {
+            v
+        } else {
+            0
+        }
+    }
+
+    /// Host bytes of an image read/write of `region` with the given pitches.
+    pub fn image_host_size(image: *mut c_void, region: *const usize, row_pitch: u64, slice_pitch: u64) -> u64 {
+        let r = arr3(region);
+        let elem = image_info(image, CL_IMAGE_ELEMENT_SIZE);
+        let row = if row_pitch == 0 { r[0] * elem } else { row_pitch };
+        let slice = if slice_pitch == 0 { row * r[1] } else { slice_pitch };
+        if r.contains(&0) {
+            return 0;
+        }
+        (r[2] - 1) * slice + (r[1] - 1) * row + r[0] * elem
+    }
+
+    fn elem_size(format: *const u8) -> u64 {
+        if format.is_null() {
+            return 0;
+        }
+        // SAFETY: a cl_image_format is two cl_uints.
+        let (order, ty) = unsafe { (*(format as *const u32), *(format as *const u32).add(1)) };
+        image_element_size(order, ty).unwrap_or(0)
+    }
+
+    /// Bytes of host memory behind an image being created.
+    pub fn image_size(format: *const u8, desc: *const u8) -> u64 {
+        if desc.is_null() {
+            return 0;
+        }
+        // SAFETY: a cl_image_desc: type u32, pad, then six size_t.
+        let d = unsafe { std::slice::from_raw_parts((desc as *const u64).add(1), 6) };
+        // SAFETY: image_type is the first u32.
+        let ty = unsafe { *(desc as *const u32) };
+        let (w, h, depth, arr, row_pitch, slice_pitch) = (d[0], d[1].max(1), d[2].max(1), d[3].max(1), d[4], d[5]);
+        let e = elem_size(format);
+        let row = if row_pitch == 0 { w * e } else { row_pitch };
+        match ty {
+            CL_MEM_OBJECT_IMAGE1D | CL_MEM_OBJECT_IMAGE1D_BUFFER => row,
+            CL_MEM_OBJECT_IMAGE2D => row * h,
+            CL_MEM_OBJECT_IMAGE1D_ARRAY => (if slice_pitch == 0 { row } else { slice_pitch }) * arr,
+            CL_MEM_OBJECT_IMAGE2D_ARRAY => (if slice_pitch == 0 { row * h } else { slice_pitch }) * arr,
+            _ => (if slice_pitch == 0 { row * h } else { slice_pitch }) * depth,
+        }
+    }
+
+    pub fn image2d_size(format: *const u8, w: u64, h: u64, row_pitch: u64) -> u64 {
+        let row = if row_pitch == 0 { w * elem_size(format) } else { row_pitch };
+        row * h
+    }
+
+    pub fn image3d_size(format: *const u8, w: u64, h: u64, d: u64, row_pitch: u64, slice_pitch: u64) -> u64 {
+        let row = if row_pitch == 0 { w * elem_size(format) } else { row_pitch };
+        let slice = if slice_pitch == 0 { row * h } else { slice_pitch };
+        slice * d
+    }
+}
+

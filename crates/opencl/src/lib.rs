@@ -1,0 +1,85 @@
+//! What every room knows of the OpenCL spec: opcodes, handle kinds, the per-opcode table
+//! (sync/async, device time, allocations) that the router's accounting reads, info
+//! translations, and the OpenCL constants hand-written code needs. Generated from
+//! `spec/opencl.spec` at build time.
+#![forbid(unsafe_code)]
+
+pub mod cl;
+
+/// How a call travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Forward {
+    Sync,
+    Async,
+    AsyncUnless,
+    Unsupported,
+    GuestOnly,
+}
+
+/// How an info result is translated between server and guest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InfoMode {
+    Handle,
+    Handles,
+    Properties,
+    Guest,
+}
+
+/// What the spec says of one function.
+#[derive(Clone, Copy, Debug)]
+pub struct OpInfo {
+    pub name: &'static str,
+    pub opcode: u16,
+    pub forward: Forward,
+    pub device_time: bool,
+    /// Handle kind created (0 if none).
+    pub creates: u8,
+    pub retains: bool,
+    pub releases: bool,
+    pub allocates: bool,
+    pub custom: bool,
+    /// Error code returned when unsupported (0 otherwise).
+    pub unsupported: i32,
+}
+
+#[allow(clippy::all)]
+mod generated {
+    use super::*;
+    use cl::*;
+    include!(concat!(env!("OUT_DIR"), "/common.rs"));
+}
+pub use generated::*;
+
+/// The spec's entry for an opcode.
+pub fn op(opcode: u16) -> Option<&'static OpInfo> {
+    OPS.get(usize::from(opcode).checked_sub(1)?)
+}
+
+/// Translation mode and handle kind of an info query result, if it needs one.
+pub fn info_mode(opcode: u16, param: u32) -> Option<(InfoMode, u8)> {
+    INFOS.iter().find(|i| i.0 == opcode && i.1 == param).map(|i| (i.2, i.3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opcodes_index_the_table() {
+        let info = op(OP_CLENQUEUENDRANGEKERNEL).expect("in the spec");
+
+        assert_eq!(info.name, "clEnqueueNDRangeKernel");
+        assert!(info.device_time);
+        assert_eq!(info.forward, Forward::Async);
+    }
+
+    #[test]
+    fn alloc_hook_reads_buffer_size() {
+        let mut w = hira_wire::Writer::default();
+        w.u64(7); // context id
+        w.u64(0); // flags
+        w.u64(4096); // size
+
+        assert_eq!(alloc_request_bytes(OP_CLCREATEBUFFER, &w.buf), Some(4096));
+    }
+}

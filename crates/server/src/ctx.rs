@@ -1,0 +1,647 @@
+//! What a handler works with: the tenant's shared state (vendor table, handle table,
+//! callback sink, usage counters) and the connection's shared memory. Every wire value is
+//! validated here before it becomes an argument of a vendor call.
+
+use crate::Api;
+use hira_opencl::cl::*;
+use hira_opencl::{info_mode, InfoMode, INVALID_HANDLE, K_MEM, K_QUEUE, K_SAMPLER};
+use hira_transport::{Conn, ShmRegion};
+use hira_wire::{Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Largest output returned inside a reply frame.
+const MAX_INLINE_OUT: u64 = 16 << 20;
+
+/// Why a request was not executed; answered with the code, never a panic.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Fail {
+    /// The API's own error (bad handle, bad size, unsupported).
+    #[error("OpenCL error {0}")]
+    Cl(i32),
+    /// The frame did not decode.
+    #[error("malformed request: {0}")]
+    Wire(#[from] hira_wire::Error),
+}
+
+impl Fail {
+    pub fn code(&self) -> i32 {
+        match self {
+            Fail::Cl(c) => *c,
+            Fail::Wire(_) => CL_INVALID_VALUE,
+        }
+    }
+}
+
+/// Callback signatures the server can relay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallbackKind {
+    ContextNotify,
+    ProgramNotify,
+    EventNotify,
+    ObjectNotify,
+}
+
+struct Entry {
+    raw: usize,
+    kind: u8,
+    refs: u32,
+    bytes: u64,
+}
+
+/// The tenant's handle table: ids on the wire, vendor pointers inside.
+#[derive(Default)]
+pub struct Table {
+    by_id: HashMap<u64, Entry>,
+    by_raw: HashMap<(usize, u8), u64>,
+    next: u64,
+}
+
+/// State shared by all of a tenant's connections.
+pub struct Shared {
+    pub api: &'static Api,
+    table: Mutex<Table>,
+    /// Where callbacks go (the guest's ROLE_CALLBACKS connection).
+    pub callbacks: Mutex<Option<Conn>>,
+    pub device_ns: AtomicU64,
+    pub device_ns_reported: AtomicU64,
+    pub mem_bytes: AtomicU64,
+}
+
+impl Shared {
+    pub fn new(api: &'static Api) -> Arc<Shared> {
+        Arc::new(Shared {
+            api,
+            table: Mutex::new(Table::default()),
+            callbacks: Mutex::new(None),
+            device_ns: AtomicU64::new(0),
+            device_ns_reported: AtomicU64::new(0),
+            mem_bytes: AtomicU64::new(0),
+        })
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn objects(&self) -> u64 {
+        self.table().by_id.len() as u64
+    }
+
+    /// Id of a vendor object, registering it if new.
+    pub fn id_for(&self, raw: *mut c_void, kind: u8) -> u64 {
+        if raw.is_null() {
+            return 0;
+        }
+        let mut t = self.table();
+        if let Some(id) = t.by_raw.get(&(raw as usize, kind)) {
+            return *id;
+        }
+        t.next += 1;
+        let id = t.next;
+        t.by_id.insert(id, Entry { raw: raw as usize, kind, refs: 1, bytes: 0 });
+        t.by_raw.insert((raw as usize, kind), id);
+        id
+    }
+
+    /// Send a callback frame to the guest.
+    pub fn send_callback(&self, payload: &[u8]) {
+        let mut buf = vec![0u8; HEADER_LEN];
+        buf.extend_from_slice(payload);
+        Header::new(Kind::Callback, 0, 0, payload.len()).write_to(&mut buf[..HEADER_LEN]);
+        let sink = self.callbacks.lock().unwrap_or_else(|e| e.into_inner());
+        match sink.as_ref() {
+            Some(c) => {
+                if let Err(e) = c.send(&buf, &[]) {
+                    tracing::warn!("callback lost: {e}");
+                }
+            }
+            None => tracing::warn!("callback lost: no callback connection"),
+        }
+    }
+}
+
+/// One connection's view while running a request.
+pub struct Ctx {
+    pub shared: Arc<Shared>,
+    pub api: &'static Api,
+    pub shm: Option<ShmRegion>,
+    /// The request is asynchronous (nobody waits for its reply).
+    pub async_frame: bool,
+    /// Kernel-argument handle values live here until the call returns.
+    arg_slots: Vec<Box<usize>>,
+}
+
+/// An input the vendor reads: a pointer valid for the handler's duration.
+pub struct In<T> {
+    ptr: *const T,
+    _keep: Option<Vec<T>>,
+}
+
+impl<T> In<T> {
+    pub fn ptr(&self) -> *const T {
+        self.ptr
+    }
+    fn null() -> In<T> {
+        In { ptr: std::ptr::null(), _keep: None }
+    }
+}
+
+/// Several byte strings (program sources, binaries) and the pointer array to them.
+pub struct InStrings {
+    _data: Vec<Vec<u8>>,
+    ptrs: Option<Vec<*const u8>>,
+}
+
+impl InStrings {
+    pub fn ptr(&self) -> *const *const u8 {
+        self.ptrs.as_ref().map_or(std::ptr::null(), |p| p.as_ptr())
+    }
+}
+
+/// An output the vendor writes.
+pub enum OutBuf {
+    Null,
+    Inline(Vec<u8>),
+    Shm { ptr: *mut u8, len: u64 },
+}
+
+impl OutBuf {
+    pub fn ptr(&mut self) -> *mut c_void {
+        match self {
+            OutBuf::Null => std::ptr::null_mut(),
+            OutBuf::Inline(v) => v.as_mut_ptr() as *mut c_void,
+            OutBuf::Shm { ptr, .. } => *ptr as *mut c_void,
+        }
+    }
+    pub fn emit(&self, w: &mut Writer) {
+        match self {
+            OutBuf::Null => {}
+            OutBuf::Inline(v) => w.bytes(v),
+            OutBuf::Shm { len, .. } => w.u64(*len),
+        }
+    }
+    fn words(&mut self) -> Option<&mut [u8]> {
+        match self {
+            OutBuf::Inline(v) => Some(v.as_mut_slice()),
+            _ => None,
+        }
+    }
+}
+
+fn get_u64(b: &[u8], i: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[i * 8..i * 8 + 8]);
+    u64::from_le_bytes(a)
+}
+
+fn put_u64(b: &mut [u8], i: usize, v: u64) {
+    b[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+impl Ctx {
+    pub fn new(shared: Arc<Shared>, shm: Option<ShmRegion>) -> Ctx {
+        let api = shared.api;
+        Ctx { shared, api, shm, async_frame: false, arg_slots: Vec::new() }
+    }
+
+    /// Called after each request.
+    pub fn reset(&mut self) {
+        self.arg_slots.clear();
+    }
+
+    /// The vendor pointer behind a handle id of `kind` (0 is NULL).
+    pub fn handle(&self, id: u64, kind: u8) -> Result<*mut c_void, Fail> {
+        if id == 0 {
+            return Ok(std::ptr::null_mut());
+        }
+        let t = self.shared.table();
+        match t.by_id.get(&id) {
+            Some(e) if e.kind == kind => Ok(e.raw as *mut c_void),
+            _ => {
+                tracing::debug!(id, kind, "bad handle");
+                Err(Fail::Cl(INVALID_HANDLE.get(kind as usize).copied().unwrap_or(CL_INVALID_VALUE)))
+            }
+        }
+    }
+
+    fn any_handle(&self, id: u64) -> Option<*mut c_void> {
+        let t = self.shared.table();
+        t.by_id
+            .get(&id)
+            .filter(|e| matches!(e.kind, K_MEM | K_SAMPLER | K_QUEUE))
+            .map(|e| e.raw as *mut c_void)
+    }
+
+    /// Register a new vendor object; returns its id (0 for NULL).
+    pub fn register(&self, raw: *mut c_void, kind: u8) -> u64 {
+        let id = self.shared.id_for(raw, kind);
+        if kind == K_MEM && id != 0 {
+            self.account_mem(id, raw);
+        }
+        id
+    }
+
+    fn account_mem(&self, id: u64, raw: *mut c_void) {
+        let Some(f) = self.api.clGetMemObjectInfo else { return };
+        let mut size: usize = 0;
+        // SAFETY: raw is a live memory object; size is an 8-byte output.
+        let ret = unsafe { f(raw, CL_MEM_SIZE, 8, &mut size as *mut usize as *mut c_void, std::ptr::null_mut()) };
+        let mut parent: *mut c_void = std::ptr::null_mut();
+        // SAFETY: as above; sub-buffers share their parent's memory.
+        unsafe { f(raw, CL_MEM_ASSOCIATED_MEMOBJECT, 8, &mut parent as *mut *mut c_void as *mut c_void, std::ptr::null_mut()) };
+        if ret == CL_SUCCESS && parent.is_null() {
+            if let Some(e) = self.shared.table().by_id.get_mut(&id) {
+                e.bytes = size as u64;
+            }
+            self.shared.mem_bytes.fetch_add(size as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Bind an object the guest named in advance (events of asynchronous enqueues).
+    pub fn bind(&self, id: u64, raw: *mut c_void, kind: u8) -> Result<(), Fail> {
+        let mut t = self.shared.table();
+        if id & (1 << 63) == 0 || t.by_id.contains_key(&id) {
+            tracing::warn!(id, "guest-chosen id refused");
+            return Err(Fail::Cl(CL_INVALID_VALUE));
+        }
+        t.by_id.insert(id, Entry { raw: raw as usize, kind, refs: 1, bytes: 0 });
+        t.by_raw.insert((raw as usize, kind), id);
+        Ok(())
+    }
+
+    pub fn retained(&self, id: u64) {
+        if let Some(e) = self.shared.table().by_id.get_mut(&id) {
+            e.refs += 1;
+        }
+    }
+
+    /// The tenant dropped a reference; the last one removes the handle.
+    pub fn released(&self, id: u64) {
+        let mut t = self.shared.table();
+        let gone = match t.by_id.get_mut(&id) {
+            Some(e) => {
+                e.refs = e.refs.saturating_sub(1);
+                e.refs == 0
+            }
+            None => false,
+        };
+        if gone {
+            if let Some(e) = t.by_id.remove(&id) {
+                t.by_raw.remove(&(e.raw, e.kind));
+                self.shared.mem_bytes.fetch_sub(e.bytes.min(self.shared.mem_bytes.load(Ordering::Relaxed)), Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn bytes_of<'a>(&self, b: Blob<'a>, need: u64) -> Result<Option<*const u8>, Fail> {
+        match b {
+            Blob::Null => Ok(None),
+            Blob::Inline(d) if d.len() as u64 >= need => Ok(Some(d.as_ptr())),
+            Blob::Shm { offset, len } if len >= need => {
+                let shm = self.shm.as_ref().ok_or(Fail::Cl(CL_INVALID_VALUE))?;
+                shm.range(offset, len).map(|p| Some(p as *const u8)).ok_or(Fail::Cl(CL_INVALID_VALUE))
+            }
+            _ => {
+                tracing::debug!(need, "input shorter than the spec says");
+                Err(Fail::Cl(CL_INVALID_VALUE))
+            }
+        }
+    }
+
+    /// Raw input bytes, at least `need` of them.
+    pub fn in_bytes(&self, b: Blob<'_>, need: u64) -> Result<In<u8>, Fail> {
+        Ok(match self.bytes_of(b, need)? {
+            Some(p) => In { ptr: p, _keep: None },
+            None => In::null(),
+        })
+    }
+
+    /// `n` values of T, copied so they are aligned.
+    pub fn in_array<T: Copy + Default>(&self, b: Blob<'_>, n: u64) -> Result<In<T>, Fail> {
+        let size = std::mem::size_of::<T>() as u64;
+        let bytes = n.checked_mul(size).filter(|&b| b <= MAX_INLINE_OUT).ok_or(Fail::Cl(CL_INVALID_VALUE))?;
+        let Some(p) = self.bytes_of(b, bytes)? else { return Ok(In::null()) };
+        let mut v = vec![T::default(); n as usize];
+        // SAFETY: p has `bytes` readable bytes (checked), v has room for them.
+        unsafe { std::ptr::copy_nonoverlapping(p, v.as_mut_ptr() as *mut u8, bytes as usize) };
+        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+    }
+
+    /// `n` handle ids of `kind`, translated.
+    pub fn in_handles(&self, b: Blob<'_>, n: u64, kind: u8) -> Result<In<*mut c_void>, Fail> {
+        let ids = self.in_array::<u64>(b, n)?;
+        if ids.ptr.is_null() {
+            return Ok(In::null());
+        }
+        let mut v = Vec::with_capacity(n as usize);
+        for i in 0..n as usize {
+            // SAFETY: ids holds n values.
+            v.push(self.handle(unsafe { *ids.ptr.add(i) }, kind)?);
+        }
+        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+    }
+
+    /// A string, NUL-terminated here whatever arrived.
+    pub fn in_string(&self, b: Blob<'_>) -> Result<In<u8>, Fail> {
+        let len = match b {
+            Blob::Null => return Ok(In::null()),
+            Blob::Inline(d) => d.len() as u64,
+            Blob::Shm { len, .. } => len,
+        };
+        let p = self.bytes_of(b, len)?.ok_or(Fail::Cl(CL_INVALID_VALUE))?;
+        let mut v = vec![0u8; len as usize + 1];
+        // SAFETY: p has len readable bytes.
+        unsafe { std::ptr::copy_nonoverlapping(p, v.as_mut_ptr(), len as usize) };
+        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+    }
+
+    pub fn read_strings<'a>(&self, r: &mut Reader<'a>) -> Result<Option<Vec<Blob<'a>>>, Fail> {
+        let n = r.u64()?;
+        if n == u64::MAX {
+            return Ok(None);
+        }
+        if n > 1 << 16 {
+            return Err(Fail::Cl(CL_INVALID_VALUE));
+        }
+        (0..n).map(|_| r.blob().map_err(Fail::from)).collect::<Result<Vec<_>, _>>().map(Some)
+    }
+
+    pub fn in_strings(&self, v: Option<Vec<Blob<'_>>>, count: u64) -> Result<InStrings, Fail> {
+        let Some(v) = v else { return Ok(InStrings { _data: Vec::new(), ptrs: None }) };
+        if v.len() as u64 != count {
+            return Err(Fail::Cl(CL_INVALID_VALUE));
+        }
+        let mut data = Vec::with_capacity(v.len());
+        for b in v {
+            let s = self.in_string(b)?;
+            data.push(s._keep.unwrap_or_default());
+        }
+        let ptrs = data.iter().map(|d| if d.is_empty() { std::ptr::null() } else { d.as_ptr() }).collect();
+        Ok(InStrings { _data: data, ptrs: Some(ptrs) })
+    }
+
+    /// A zero-terminated property list; CL_CONTEXT_PLATFORM values translated for contexts.
+    pub fn in_properties(&self, b: Blob<'_>, context: bool) -> Result<In<u64>, Fail> {
+        let n = match b {
+            Blob::Null => return Ok(In::null()),
+            Blob::Inline(d) => d.len() as u64 / 8,
+            Blob::Shm { .. } => return Err(Fail::Cl(CL_INVALID_VALUE)),
+        };
+        let words = self.in_array::<u64>(b, n)?;
+        let mut v: Vec<u64> = words._keep.unwrap_or_default();
+        if v.last() != Some(&0) {
+            return Err(Fail::Cl(CL_INVALID_VALUE));
+        }
+        if context {
+            let mut i = 0;
+            while i + 1 < v.len() {
+                if v[i] as i64 == CL_CONTEXT_PLATFORM {
+                    v[i + 1] = self.handle(v[i + 1], hira_opencl::K_PLATFORM)? as u64;
+                }
+                i += 2;
+            }
+        }
+        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+    }
+
+    /// A host pointer's contents, read only when the flags say the vendor reads it.
+    pub fn in_host_buffer(&self, b: Blob<'_>, flags: u64, len: u64) -> Result<In<u8>, Fail> {
+        if flags & (CL_MEM_USE_HOST_PTR | CL_MEM_COPY_HOST_PTR) == 0 {
+            return Ok(match b {
+                // A non-null pointer without USE/COPY: let the vendor reject it.
+                Blob::Inline(_) => In { ptr: 1 as *const u8, _keep: None },
+                _ => In::null(),
+            });
+        }
+        self.in_bytes(b, len)
+    }
+
+    /// USE_HOST_PTR cannot share the guest's memory: the server copies instead, and the guest
+    /// keeps the application's pointer in step at map and unmap.
+    pub fn host_ptr_flags(flags: u64) -> u64 {
+        if flags & CL_MEM_USE_HOST_PTR != 0 {
+            (flags & !CL_MEM_USE_HOST_PTR) | CL_MEM_COPY_HOST_PTR
+        } else {
+            flags
+        }
+    }
+
+    pub fn in_image_desc(&self, b: Blob<'_>) -> Result<In<u64>, Fail> {
+        let d = self.in_array::<u64>(b, 9)?;
+        if d.ptr.is_null() {
+            return Ok(d);
+        }
+        let mut v = d._keep.unwrap_or_default();
+        v[8] = self.handle(v[8], K_MEM)? as u64;
+        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+    }
+
+    pub fn read_kernel_arg<'a>(&self, r: &mut Reader<'a>) -> Result<KernelArg<'a>, Fail> {
+        Ok(match r.u8()? {
+            0 => KernelArg::Local,
+            1 => KernelArg::Bytes(r.blob()?),
+            2 => KernelArg::Handle(r.u64()?),
+            t => return Err(Fail::Wire(hira_wire::Error::BadTag(t))),
+        })
+    }
+
+    pub fn in_kernel_arg(&mut self, k: KernelArg<'_>, size: u64) -> Result<In<u8>, Fail> {
+        match k {
+            KernelArg::Local => Ok(In::null()),
+            KernelArg::Bytes(b) => self.in_bytes(b, size),
+            KernelArg::Handle(id) => {
+                let raw = self.any_handle(id).ok_or(Fail::Cl(CL_INVALID_MEM_OBJECT))?;
+                if size != 8 {
+                    return Err(Fail::Cl(CL_INVALID_ARG_SIZE));
+                }
+                let slot = Box::new(raw as usize);
+                let p = &*slot as *const usize as *const u8;
+                self.arg_slots.push(slot);
+                Ok(In { ptr: p, _keep: None })
+            }
+        }
+    }
+
+    /// A relay for a guest callback: the trampoline and its user data (0 = none).
+    pub fn callback(&self, kind: CallbackKind, id: u64) -> (*mut c_void, *mut c_void) {
+        if id == 0 {
+            return (std::ptr::null_mut(), std::ptr::null_mut());
+        }
+        let ctx = Box::new(CallbackCtx { shared: self.shared.clone(), id, kind });
+        let f = match kind {
+            CallbackKind::ContextNotify => context_tramp as *mut c_void,
+            CallbackKind::ProgramNotify => program_tramp as *mut c_void,
+            CallbackKind::EventNotify => event_tramp as *mut c_void,
+            CallbackKind::ObjectNotify => object_tramp as *mut c_void,
+        };
+        (f, Box::into_raw(ctx) as *mut c_void)
+    }
+
+    /// Output room: `need` bytes at least.
+    pub fn out(&self, o: OutSpec, need: u64) -> Result<OutBuf, Fail> {
+        match o {
+            OutSpec::Null => Ok(OutBuf::Null),
+            OutSpec::Inline { len } if len >= need && len <= MAX_INLINE_OUT => Ok(OutBuf::Inline(vec![0u8; len as usize])),
+            OutSpec::Shm { offset, len } if len >= need => {
+                let shm = self.shm.as_ref().ok_or(Fail::Cl(CL_INVALID_VALUE))?;
+                let p = shm.range(offset, len).ok_or(Fail::Cl(CL_INVALID_VALUE))?;
+                Ok(OutBuf::Shm { ptr: p, len })
+            }
+            _ => {
+                tracing::debug!(need, "output smaller than the spec says");
+                Err(Fail::Cl(CL_INVALID_VALUE))
+            }
+        }
+    }
+
+    /// Vendor pointers in an output array become ids.
+    pub fn out_handles_to_ids(&self, o: &mut OutBuf, kind: u8, ret: i32) -> Result<(), Fail> {
+        if ret != CL_SUCCESS {
+            return Ok(());
+        }
+        let Some(b) = o.words() else { return Ok(()) };
+        for i in 0..b.len() / 8 {
+            let raw = get_u64(b, i) as *mut c_void;
+            let id = self.register(raw, kind);
+            put_u64(b, i, id);
+        }
+        Ok(())
+    }
+
+    /// Translate handle-valued info results (the spec's `info` declarations).
+    pub fn info_out(&self, op: u16, param: u32, o: &mut OutBuf, ret: i32) -> Result<(), Fail> {
+        if ret != CL_SUCCESS {
+            return Ok(());
+        }
+        let Some((mode, kind)) = info_mode(op, param) else { return Ok(()) };
+        let Some(b) = o.words() else { return Ok(()) };
+        let n = b.len() / 8;
+        match mode {
+            InfoMode::Handle | InfoMode::Handles => {
+                for i in 0..n {
+                    let id = self.shared.id_for(get_u64(b, i) as *mut c_void, kind);
+                    put_u64(b, i, id);
+                }
+            }
+            InfoMode::Properties => {
+                let mut i = 0;
+                while i + 1 < n {
+                    if get_u64(b, i) as i64 == CL_CONTEXT_PLATFORM {
+                        let id = self.shared.id_for(get_u64(b, i + 1) as *mut c_void, hira_opencl::K_PLATFORM);
+                        put_u64(b, i + 1, id);
+                    }
+                    i += 2;
+                }
+            }
+            // Server addresses mean nothing to the guest, which answers these itself.
+            InfoMode::Guest => b.iter_mut().for_each(|x| *x = 0),
+        }
+        Ok(())
+    }
+
+    /// Charge the device time of a kernel launch when its event completes.
+    pub fn device_time(&self, ret: i32, ev: *mut c_void, ours: bool) {
+        if ret != CL_SUCCESS || ev.is_null() {
+            return;
+        }
+        let Some(set_cb) = self.api.clSetEventCallback else { return };
+        let ctx = Box::new(DeviceTimeCtx { shared: self.shared.clone(), ours });
+        // SAFETY: ev is a live event; the trampoline takes back the box exactly once.
+        let r = unsafe { set_cb(ev, CL_COMPLETE, device_time_tramp as *mut c_void, Box::into_raw(ctx) as *mut c_void) };
+        if r != CL_SUCCESS {
+            tracing::debug!(r, "no device-time callback");
+        }
+    }
+}
+
+/// A kernel argument as it arrived.
+pub enum KernelArg<'a> {
+    Local,
+    Bytes(Blob<'a>),
+    Handle(u64),
+}
+
+struct CallbackCtx {
+    shared: Arc<Shared>,
+    id: u64,
+    kind: CallbackKind,
+}
+
+struct DeviceTimeCtx {
+    shared: Arc<Shared>,
+    ours: bool,
+}
+
+extern "C" fn device_time_tramp(ev: *mut c_void, _status: i32, ud: *mut c_void) {
+    // SAFETY: ud is the box made in device_time, handed over exactly once.
+    let ctx = unsafe { Box::from_raw(ud as *mut DeviceTimeCtx) };
+    let api = ctx.shared.api;
+    if let Some(prof) = api.clGetEventProfilingInfo {
+        let (mut start, mut end) = (0u64, 0u64);
+        // SAFETY: ev is the completed event; 8-byte outputs.
+        let ok = unsafe {
+            prof(ev, CL_PROFILING_COMMAND_START, 8, &mut start as *mut u64 as *mut c_void, std::ptr::null_mut()) == 0
+                && prof(ev, CL_PROFILING_COMMAND_END, 8, &mut end as *mut u64 as *mut c_void, std::ptr::null_mut()) == 0
+        };
+        if ok && end > start {
+            ctx.shared.device_ns.fetch_add(end - start, Ordering::Relaxed);
+        }
+    }
+    if ctx.ours {
+        if let Some(rel) = api.clReleaseEvent {
+            // SAFETY: the server created this event for accounting and holds its only reference.
+            unsafe { rel(ev) };
+        }
+    }
+}
+
+fn relay(ud: *mut c_void, once: bool, fill: impl FnOnce(&Shared, &mut Writer)) {
+    // SAFETY: ud is a CallbackCtx box made in Ctx::callback.
+    let ctx = unsafe { &*(ud as *const CallbackCtx) };
+    let mut w = Writer::default();
+    w.u64(ctx.id);
+    fill(&ctx.shared, &mut w);
+    ctx.shared.send_callback(&w.buf);
+    let _ = ctx.kind;
+    if once {
+        // SAFETY: one-shot callbacks fire once; reclaim the box.
+        drop(unsafe { Box::from_raw(ud as *mut CallbackCtx) });
+    }
+}
+
+extern "C" fn event_tramp(ev: *mut c_void, status: i32, ud: *mut c_void) {
+    relay(ud, true, |s, w| {
+        w.u64(s.id_for(ev, hira_opencl::K_EVENT));
+        w.i32(status);
+    });
+}
+
+extern "C" fn program_tramp(prog: *mut c_void, ud: *mut c_void) {
+    relay(ud, true, |s, w| w.u64(s.id_for(prog, hira_opencl::K_PROGRAM)));
+}
+
+extern "C" fn object_tramp(obj: *mut c_void, ud: *mut c_void) {
+    relay(ud, true, |s, w| {
+        let (kind, id) = {
+            let t = s.table();
+            t.by_raw.iter().find(|((raw, _), _)| *raw == obj as usize).map_or((0, 0), |((_, k), id)| (*k, *id))
+        };
+        w.u64(id);
+        w.u8(kind);
+    });
+}
+
+extern "C" fn context_tramp(errinfo: *const std::ffi::c_char, _p: *const c_void, _cb: usize, ud: *mut c_void) {
+    relay(ud, false, |_, w| {
+        let msg = if errinfo.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: the vendor passes a NUL-terminated message.
+            unsafe { std::ffi::CStr::from_ptr(errinfo) }.to_bytes().to_vec()
+        };
+        w.bytes(&msg);
+    });
+}

@@ -1,0 +1,125 @@
+//! Server halves written by hand (the spec marks them `custom_server` or `custom`).
+
+use crate::ctx::{Ctx, Fail};
+use hira_opencl::cl::*;
+use hira_opencl::*;
+use hira_wire::{Reader, Writer};
+use std::ffi::c_void;
+
+/// Device info as the tenant sees it: SVM is not forwarded, so none is advertised.
+pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    let device = cx.handle(r.u64()?, K_DEVICE)?;
+    let param = r.u64()? as u32;
+    let size = r.u64()?;
+    let (vo, so) = (r.out_spec()?, r.out_spec()?);
+    r.finish()?;
+    let mut value = cx.out(vo, size)?;
+    let mut size_ret = cx.out(so, 8)?;
+    let f = cx.api.clGetDeviceInfo.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    // SAFETY: outputs sized as the spec says; device validated.
+    let ret = unsafe { f(device, param, size as usize, value.ptr(), size_ret.ptr() as *mut usize) };
+    if ret == CL_SUCCESS && param == CL_DEVICE_SVM_CAPABILITIES && size >= 8 && !value.ptr().is_null() {
+        // SAFETY: at least 8 bytes.
+        unsafe { *(value.ptr() as *mut u64) = 0 };
+    }
+    cx.info_out(OP_CLGETDEVICEINFO, param, &mut value, ret)?;
+    let mut w = Writer::default();
+    w.i32(ret);
+    value.emit(&mut w);
+    size_ret.emit(&mut w);
+    Ok(w)
+}
+
+/// Queues always profile, so device time is measured by the device.
+pub fn h_clCreateCommandQueue(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    let context = cx.handle(r.u64()?, K_CONTEXT)?;
+    let device = cx.handle(r.u64()?, K_DEVICE)?;
+    let props = r.u64()?;
+    r.finish()?;
+    let f = cx.api.clCreateCommandQueue.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let mut err = 0i32;
+    // SAFETY: validated handles; err is a live output.
+    let q = unsafe { f(context, device, props | CL_QUEUE_PROFILING_ENABLE, &mut err) };
+    let id = cx.register(q, K_QUEUE);
+    let mut w = Writer::default();
+    w.i32(err);
+    w.u64(id);
+    Ok(w)
+}
+
+pub fn h_clCreateCommandQueueWithProperties(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    let context = cx.handle(r.u64()?, K_CONTEXT)?;
+    let device = cx.handle(r.u64()?, K_DEVICE)?;
+    let pb = r.blob()?;
+    r.finish()?;
+    let given = cx.in_properties(pb, false)?;
+    let mut props: Vec<u64> = Vec::new();
+    let mut found = false;
+    let mut i = 0;
+    // SAFETY: in_properties returns a zero-terminated list (or null).
+    while !given.ptr().is_null() && unsafe { *given.ptr().add(i) } != 0 {
+        // SAFETY: non-zero keys have values.
+        let (k, mut v) = unsafe { (*given.ptr().add(i), *given.ptr().add(i + 1)) };
+        if k == CL_QUEUE_PROPERTIES {
+            v |= CL_QUEUE_PROFILING_ENABLE;
+            found = true;
+        }
+        props.extend([k, v]);
+        i += 2;
+    }
+    if !found {
+        props.extend([CL_QUEUE_PROPERTIES, CL_QUEUE_PROFILING_ENABLE]);
+    }
+    props.push(0);
+    let f = cx.api.clCreateCommandQueueWithProperties.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let mut err = 0i32;
+    // SAFETY: validated handles; props is zero-terminated.
+    let q = unsafe { f(context, device, props.as_ptr(), &mut err) };
+    let id = cx.register(q, K_QUEUE);
+    let mut w = Writer::default();
+    w.i32(err);
+    w.u64(id);
+    Ok(w)
+}
+
+/// One device's program binary into the caller's output.
+pub fn h_hiraGetProgramBinary(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    let program = cx.handle(r.u64()?, K_PROGRAM)?;
+    let index = r.u64()? as usize;
+    let size = r.u64()?;
+    let o = r.out_spec()?;
+    r.finish()?;
+    let mut out = cx.out(o, size)?;
+    let f = cx.api.clGetProgramInfo.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let mut n: u32 = 0;
+    // SAFETY: validated program; 4-byte output.
+    let ret = unsafe { f(program, CL_PROGRAM_NUM_DEVICES, 4, &mut n as *mut u32 as *mut c_void, std::ptr::null_mut()) };
+    if ret != CL_SUCCESS || index >= n as usize {
+        return Err(Fail::Cl(if ret != CL_SUCCESS { ret } else { CL_INVALID_VALUE }));
+    }
+    let mut sizes = vec![0usize; n as usize];
+    // SAFETY: n size_t outputs.
+    unsafe { f(program, CL_PROGRAM_BINARY_SIZES, n as usize * 8, sizes.as_mut_ptr() as *mut c_void, std::ptr::null_mut()) };
+    if (sizes[index] as u64) > size {
+        return Err(Fail::Cl(CL_INVALID_VALUE));
+    }
+    let mut ptrs = vec![std::ptr::null_mut::<c_void>(); n as usize];
+    ptrs[index] = out.ptr();
+    // SAFETY: one non-null destination with room for its binary (checked above).
+    let ret = unsafe { f(program, CL_PROGRAM_BINARIES, n as usize * 8, ptrs.as_mut_ptr() as *mut c_void, std::ptr::null_mut()) };
+    let mut w = Writer::default();
+    w.i32(ret);
+    out.emit(&mut w);
+    Ok(w)
+}
+
+/// Map and unmap are emulated in the guest with reads and writes; nothing reaches here.
+pub fn h_clEnqueueMapBuffer(_cx: &mut Ctx, _r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    Err(Fail::Cl(CL_INVALID_OPERATION))
+}
+pub fn h_clEnqueueMapImage(_cx: &mut Ctx, _r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    Err(Fail::Cl(CL_INVALID_OPERATION))
+}
+pub fn h_clEnqueueUnmapMemObject(_cx: &mut Ctx, _r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    Err(Fail::Cl(CL_INVALID_OPERATION))
+}

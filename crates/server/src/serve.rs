@@ -1,0 +1,163 @@
+//! The server's loops: the control socket from the router (new connections arrive as ATTACH
+//! with their socket and shared memory) and one shadow thread per connection.
+
+use crate::ctx::{Ctx, Shared};
+use crate::Api;
+use anyhow::Context;
+use hira_opencl::cl::*;
+use hira_transport::{Conn, FrameReader, ShmRegion};
+use hira_wire::{control, flags, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Entry point of `hira server`: the control socket is the fd in HIRA_CONTROL_FD.
+pub fn main_from_env() -> anyhow::Result<()> {
+    let fd: i32 = std::env::var("HIRA_CONTROL_FD").context("HIRA_CONTROL_FD not set")?.parse()?;
+    // SAFETY: the router passed this fd to us and nothing else owns it.
+    let conn = Conn::from_owned(unsafe { OwnedFd::from_raw_fd(fd) });
+    serve_control(conn)
+}
+
+fn load_api() -> anyhow::Result<&'static Api> {
+    let name = std::env::var("HIRA_VENDOR_LIB").unwrap_or_else(|_| "libOpenCL.so.1".into());
+    // SAFETY: loading the system's OpenCL loader runs its initialisers, which is the point.
+    let lib = unsafe { libloading::Library::new(&name) }.with_context(|| format!("loading {name}"))?;
+    let lib: &'static libloading::Library = Box::leak(Box::new(lib));
+    let api: &'static Api = Box::leak(Box::new(Api::load(lib)));
+    crate::expr::set_api(api);
+    Ok(api)
+}
+
+/// Serve one tenant: read ATTACH frames from the router until it closes the control socket.
+pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
+    let api = load_api()?;
+    let shared = Shared::new(api);
+    let usage_conn = control_conn.try_clone()?;
+    let usage_shared = shared.clone();
+    std::thread::Builder::new().name("usage".into()).spawn(move || report_usage(usage_conn, usage_shared))?;
+    let mut reader = FrameReader::new(control_conn);
+    while let Some(frame) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)? {
+        let h = Header::parse(frame)?;
+        if h.kind != Kind::Control || h.opcode != control::ATTACH {
+            tracing::warn!(opcode = h.opcode, "unexpected control frame");
+            continue;
+        }
+        let mut r = Reader::new(&frame[HEADER_LEN..]);
+        let (conn_id, role, shm_len) = (r.u64()?, r.u32()?, r.u64()?);
+        let sock = reader.take_fd().context("ATTACH without a socket")?;
+        let shm = if shm_len > 0 {
+            let fd = reader.take_fd().context("ATTACH without its shared memory")?;
+            Some(ShmRegion::from_fd(fd, shm_len as usize)?)
+        } else {
+            None
+        };
+        let conn = Conn::from_owned(sock);
+        if role == control::ROLE_CALLBACKS {
+            *shared.callbacks.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn);
+            continue;
+        }
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name(format!("shadow-{conn_id}"))
+            .spawn(move || {
+                if let Err(e) = shadow(conn, Ctx::new(shared, shm)) {
+                    tracing::warn!(conn_id, "connection ended: {e:#}");
+                }
+            })?;
+    }
+    tracing::info!("router closed the control socket; exiting");
+    Ok(())
+}
+
+fn report_usage(conn: Conn, shared: Arc<Shared>) {
+    let mut last = (u64::MAX, u64::MAX, u64::MAX);
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let now = (shared.device_ns.load(Ordering::Relaxed), shared.mem_bytes.load(Ordering::Relaxed), shared.objects());
+        if now == last {
+            continue;
+        }
+        last = now;
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        w.u64(now.0);
+        w.u64(now.1);
+        w.u64(now.2);
+        let len = w.buf.len() - HEADER_LEN;
+        Header::new(Kind::Control, control::USAGE, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
+        if conn.send(&w.buf, &[]).is_err() {
+            return;
+        }
+    }
+}
+
+/// A shadow thread: run this connection's requests in order.
+fn shadow(conn: Conn, mut cx: Ctx) -> anyhow::Result<()> {
+    let out = conn.try_clone()?;
+    let mut reader = FrameReader::new(conn);
+    let mut deferred: i32 = 0;
+    while let Some(frame) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)? {
+        let h = Header::parse(frame)?;
+        let payload = &frame[HEADER_LEN..];
+        let is_async = h.flags & flags::ASYNC != 0;
+        let result = match (h.kind, h.opcode) {
+            (Kind::Request, op) => {
+                cx.async_frame = is_async;
+                let mut r = Reader::new(payload);
+                let res = crate::dispatch(&mut cx, op, &mut r);
+                cx.reset();
+                if let Err(e) = &res {
+                    let name = hira_opencl::op(op).map_or("?", |o| o.name);
+                    tracing::debug!(op = name, "request refused: {e}");
+                }
+                res
+            }
+            (Kind::Control, control::PING) => Ok(Writer::default()),
+            (Kind::Control, control::SHM_GROW) => {
+                let len = Reader::new(payload).u64()?;
+                let fd = reader.take_fd().context("SHM_GROW without a region")?;
+                cx.shm = Some(ShmRegion::from_fd(fd, len as usize)?);
+                continue;
+            }
+            (kind, op) => {
+                tracing::warn!(?kind, op, "unexpected frame");
+                Err(crate::Fail::Cl(CL_INVALID_OPERATION))
+            }
+        };
+        if is_async {
+            let code = match &result {
+                Ok(w) if w.buf.len() >= 4 => i32::from_le_bytes([w.buf[0], w.buf[1], w.buf[2], w.buf[3]]),
+                Ok(_) => 0,
+                Err(e) => e.code(),
+            };
+            if code != CL_SUCCESS && deferred == 0 {
+                let name = hira_opencl::op(h.opcode).map_or("?", |o| o.name);
+                tracing::info!(op = name, code, "asynchronous call failed; reported at the next sync call");
+                deferred = code;
+            }
+            continue;
+        }
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        let mut fl = 0;
+        match &result {
+            Ok(_) => w.i32(0),
+            Err(e) => w.i32(e.code()),
+        }
+        if deferred != 0 {
+            fl |= flags::DEFERRED_ERROR;
+            w.i32(deferred);
+            deferred = 0;
+        }
+        if let Ok(body) = &result {
+            w.buf.extend_from_slice(&body.buf);
+        }
+        let total = cx.shared.device_ns.load(Ordering::Relaxed);
+        let before = cx.shared.device_ns_reported.swap(total, Ordering::Relaxed);
+        let mut rh = Header::new(Kind::Reply, h.opcode, h.seq, w.buf.len() - HEADER_LEN);
+        rh.flags = fl;
+        rh.device_ns = total.saturating_sub(before);
+        rh.write_to(&mut w.buf[..HEADER_LEN]);
+        out.send(&w.buf, &[])?;
+    }
+    Ok(())
+}

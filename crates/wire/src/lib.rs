@@ -1,0 +1,65 @@
+//! The wire between guest, router and API server: a fixed frame header, validated once on
+//! receipt, followed by a payload of little-endian primitives. No I/O happens here; a tenant's
+//! bytes are hostile until [`Header::parse`] and the bounds-checked [`Reader`] have accepted them.
+#![forbid(unsafe_code)]
+
+mod codec;
+mod header;
+
+pub use codec::{Blob, OutSpec, Reader, Writer};
+pub use header::{flags, Header, Kind, HEADER_LEN, MAGIC, MAX_FRAME, VERSION};
+
+/// Errors met while decoding a frame.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Error {
+    #[error("bad magic {0:#x}")]
+    BadMagic(u32),
+    #[error("unsupported wire version {0}")]
+    BadVersion(u16),
+    #[error("unknown frame kind {0}")]
+    BadKind(u8),
+    #[error("frame length {0} out of range")]
+    BadLength(u64),
+    #[error("payload truncated: wanted {wanted} bytes at offset {at}")]
+    Truncated { at: usize, wanted: usize },
+    #[error("invalid tag {0}")]
+    BadTag(u8),
+    #[error("{0} trailing bytes after payload")]
+    Trailing(usize),
+}
+
+impl Error {
+    /// Every decoding error is the sender's fault: the frame did not follow the protocol.
+    pub fn is_peer_fault(&self) -> bool {
+        true
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Control opcodes (frames of kind [`Kind::Control`]); API calls use the spec's opcodes.
+pub mod control {
+    /// Guest → router, first frame of every connection. Payload: role u32, pid u32, tid u64,
+    /// shm length u64. The shm memfd rides along as SCM_RIGHTS.
+    pub const HELLO: u16 = 1;
+    /// Router → guest reply to HELLO. Payload: tenant id u64, connection id u64, status i32.
+    pub const WELCOME: u16 = 2;
+    /// Guest → server: a new, larger shm region replaces the old one (fd attached). Payload: len u64.
+    pub const SHM_GROW: u16 = 3;
+    /// Round trip that does nothing; replies once every earlier frame has been executed.
+    pub const PING: u16 = 4;
+    /// Router → server over the control socket: a new connection (socket + shm fds attached).
+    /// Payload: connection id u64, role u32, shm len u64.
+    pub const ATTACH: u16 = 5;
+    /// Server → router over the control socket: accounting sample. Payload: see server.
+    pub const USAGE: u16 = 6;
+    /// Router → guest: the call failed because the tenant's server is gone or the tenant was
+    /// stopped. Payload: OpenCL error code i32.
+    pub const FAILED: u16 = 7;
+
+    /// Connection roles carried by HELLO.
+    pub const ROLE_CALLS: u32 = 1;
+    /// The connection on which the server delivers callbacks to the guest.
+    pub const ROLE_CALLBACKS: u32 = 2;
+}
