@@ -433,7 +433,15 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
             }
             ParamKind::InBuffer(e) => {
                 let _ = writeln!(p1, "    let {n}_b = r.blob()?;");
-                let _ = writeln!(p2, "    let {n}_v = cx.in_bytes({n}_b, {})?;", ex(e));
+                match &f.forward {
+                    // A non-blocking write reads host memory after the call returns: stage it.
+                    Forward::AsyncUnless(b) => {
+                        let _ = writeln!(p2, "    let {n}_v = cx.in_bytes_staged({n}_b, {}, {b} == 0)?;", ex(e));
+                    }
+                    _ => {
+                        let _ = writeln!(p2, "    let {n}_v = cx.in_bytes({n}_b, {})?;", ex(e));
+                    }
+                }
                 let _ = writeln!(p2, "    let {n} = {n}_v.ptr();");
                 args.push(format!("{n}_v.ptr() as _"));
             }
@@ -483,10 +491,14 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
                 let k = kind_const(ekind.expect("checked"));
                 let _ = writeln!(p1, "    let {n}_id = r.u64()?;");
                 let _ = writeln!(p2, "    let mut {n}_new: *mut c_void = std::ptr::null_mut();");
-                if f.device_time {
+                if f.device_time || matches!(f.forward, Forward::AsyncUnless(_)) {
                     let _ = writeln!(p2, "    let mut {n}_dt: *mut c_void = std::ptr::null_mut();");
                     args.push(format!("if {n}_id != 0 {{ &mut {n}_new }} else {{ &mut {n}_dt }}"));
-                    let _ = writeln!(post, "    cx.device_time(ret, if {n}_id != 0 {{ {n}_new }} else {{ {n}_dt }}, {n}_id == 0);");
+                    let _ = writeln!(
+                        post,
+                        "    cx.track_event(ret, if {n}_id != 0 {{ {n}_new }} else {{ {n}_dt }}, {n}_id == 0, {});",
+                        f.device_time
+                    );
                 } else {
                     args.push(format!("if {n}_id != 0 {{ &mut {n}_new }} else {{ std::ptr::null_mut() }}"));
                 }
@@ -536,10 +548,6 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
     let _ = writeln!(s, "    r.finish()?;");
     s.push_str(&p2);
     if let Some(b) = &f.force_blocking {
-        let _ = writeln!(s, "    let {b}: u32 = 1;");
-    }
-    if let Forward::AsyncUnless(b) = &f.forward {
-        // Asynchronous writes run blocking in the server: the guest reuses its staging memory.
         let _ = writeln!(s, "    let {b}: u32 = 1;");
     }
     let _ = writeln!(s, "    let f = cx.api.{}.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;", f.name);

@@ -100,6 +100,8 @@ pub struct Connection {
     batch: Vec<u8>,
     /// Calls being built on this thread (nested helper calls must not reset the shm).
     building: u32,
+    /// First error of an earlier asynchronous call, not yet reported.
+    deferred: i32,
 }
 
 fn socket_path() -> Option<std::path::PathBuf> {
@@ -120,7 +122,7 @@ impl Connection {
         finish_frame(&mut w.buf, Kind::Control, control::HELLO, 0, 0, 0);
         sock.send(&w.buf, &[shm.fd()]).map_err(|e| log_err("hello", e))?;
         let reader = FrameReader::new(sock.try_clone().map_err(|e| log_err("clone", e))?);
-        let mut c = Connection { sock, reader, shm, shm_top: 0, seq: 0, batch: Vec::new(), building: 0 };
+        let mut c = Connection { sock, reader, shm, shm_top: 0, seq: 0, batch: Vec::new(), building: 0, deferred: 0 };
         let (h, payload) = c.read_frame()?;
         let mut r = Reader::new(&payload);
         let (_tenant, _conn, status) = (r.u64(), r.u64(), r.i32().unwrap_or(CL_OUT_OF_RESOURCES));
@@ -513,9 +515,12 @@ impl Call {
     pub fn send_async(mut self) -> Result<i32, i32> {
         self.frame(flags::ASYNC)?;
         let buf = std::mem::take(&mut self.w.buf);
+        // Releases may fire destructor callbacks the application waits for without making
+        // another call, and clFlush promises progress: both leave at once.
+        let urgent = self.op == hira_opencl::OP_CLFLUSH || hira_opencl::op(self.op).is_some_and(|o| o.releases);
         with_conn(|c| {
             c.batch.extend_from_slice(&buf);
-            if c.batch.len() >= BATCH_MAX {
+            if urgent || c.batch.len() >= BATCH_MAX {
                 c.flush()?;
             }
             Ok(CL_SUCCESS)
@@ -547,12 +552,18 @@ impl Call {
                 }
             }
         })?;
-        let mut r = Reply { payload, pos: 0, outs: std::mem::take(&mut self.outs), next: 0, deferred: 0, saved_info: self.saved_info.take(), use_host_ptr: self.use_host_ptr };
+        let mut r = Reply { payload, pos: 0, outs: std::mem::take(&mut self.outs), next: 0, saved_info: self.saved_info.take(), use_host_ptr: self.use_host_ptr, op: self.op };
         let status = {
             let mut rd = Reader::new(&r.payload);
             let s = rd.i32().map_err(|_| CL_OUT_OF_RESOURCES)?;
             if h.flags & flags::DEFERRED_ERROR != 0 {
-                r.deferred = rd.i32().map_err(|_| CL_OUT_OF_RESOURCES)?;
+                let d = rd.i32().map_err(|_| CL_OUT_OF_RESOURCES)?;
+                let _ = with_conn(|c| {
+                    if c.deferred == 0 {
+                        c.deferred = d;
+                    }
+                    Ok(())
+                });
                 r.pos = 8;
             } else {
                 r.pos = 4;
@@ -572,7 +583,7 @@ pub struct Reply {
     pos: usize,
     outs: Vec<OutSlot>,
     next: usize,
-    deferred: i32,
+    op: u16,
     saved_info: Option<Vec<u8>>,
     use_host_ptr: *mut c_void,
 }
@@ -691,13 +702,34 @@ impl Reply {
         }
     }
 
-    /// The call's status, or the first error of an earlier asynchronous call.
+    /// The call's status; a synchronizing call (finish, wait, blocking transfer) that
+    /// succeeded reports the first error of an earlier asynchronous call instead.
     pub fn status(&self, ret: i32) -> Result<i32, i32> {
-        if ret == CL_SUCCESS && self.deferred != 0 {
-            return Ok(log_code("an earlier asynchronous call failed", self.deferred));
+        if ret != CL_SUCCESS || !is_synchronizing(self.op) {
+            return Ok(ret);
+        }
+        let d = with_conn(|c| Ok(std::mem::take(&mut c.deferred)))?;
+        if d != 0 {
+            return Ok(log_code("an earlier asynchronous call failed", d));
         }
         Ok(ret)
     }
+}
+
+/// Calls at which errors of earlier asynchronous calls surface (AvA §5.6.3.1).
+fn is_synchronizing(opcode: u16) -> bool {
+    use hira_opencl::*;
+    matches!(
+        opcode,
+        OP_CLFINISH
+            | OP_CLWAITFOREVENTS
+            | OP_CLENQUEUEREADBUFFER
+            | OP_CLENQUEUEREADBUFFERRECT
+            | OP_CLENQUEUEREADIMAGE
+            | OP_CLENQUEUEWRITEBUFFER
+            | OP_CLENQUEUEWRITEBUFFERRECT
+            | OP_CLENQUEUEWRITEIMAGE
+    )
 }
 
 // ---------------------------------------------------------------------------------------

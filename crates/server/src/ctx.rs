@@ -130,8 +130,8 @@ pub struct Ctx {
     pub shm: Option<ShmRegion>,
     /// The request is asynchronous (nobody waits for its reply).
     pub async_frame: bool,
-    /// Kernel-argument handle values live here until the call returns.
-    arg_slots: Vec<Box<usize>>,
+    /// Inputs of a non-blocking write, handed to its completion callback.
+    staged: Vec<Vec<u8>>,
 }
 
 /// An input the vendor reads: a pointer valid for the handler's duration.
@@ -204,12 +204,12 @@ fn put_u64(b: &mut [u8], i: usize, v: u64) {
 impl Ctx {
     pub fn new(shared: Arc<Shared>, shm: Option<ShmRegion>) -> Ctx {
         let api = shared.api;
-        Ctx { shared, api, shm, async_frame: false, arg_slots: Vec::new() }
+        Ctx { shared, api, shm, async_frame: false, staged: Vec::new() }
     }
 
     /// Called after each request.
     pub fn reset(&mut self) {
-        self.arg_slots.clear();
+        self.staged.clear();
     }
 
     /// The vendor pointer behind a handle id of `kind` (0 is NULL).
@@ -457,10 +457,9 @@ impl Ctx {
                 if size != 8 {
                     return Err(Fail::Cl(CL_INVALID_ARG_SIZE));
                 }
-                let slot = Box::new(raw as usize);
-                let p = &*slot as *const usize as *const u8;
-                self.arg_slots.push(slot);
-                Ok(In { ptr: p, _keep: None })
+                // The vendor reads the cl_mem value through this pointer during the call.
+                let bytes = (raw as u64).to_ne_bytes().to_vec();
+                Ok(In { ptr: bytes.as_ptr(), _keep: Some(bytes) })
             }
         }
     }
@@ -542,17 +541,33 @@ impl Ctx {
         Ok(())
     }
 
-    /// Charge the device time of a kernel launch when its event completes.
-    pub fn device_time(&self, ret: i32, ev: *mut c_void, ours: bool) {
+    /// Input bytes of a non-blocking write: copied out of the frame and shared memory (which
+    /// the guest reuses at once) and held until the command's event completes.
+    pub fn in_bytes_staged(&mut self, b: Blob<'_>, need: u64, stage: bool) -> Result<In<u8>, Fail> {
+        let direct = self.in_bytes(b, need)?;
+        if !stage || direct.ptr.is_null() {
+            return Ok(direct);
+        }
+        // SAFETY: in_bytes checked that `need` bytes are readable at ptr.
+        let copy = unsafe { std::slice::from_raw_parts(direct.ptr, need as usize) }.to_vec();
+        let p = copy.as_ptr();
+        self.staged.push(copy);
+        Ok(In { ptr: p, _keep: None })
+    }
+
+    /// After an enqueue: charge its device time (kernels) and keep staged inputs alive until
+    /// its event completes; release the event if the server made it for itself.
+    pub fn track_event(&mut self, ret: i32, ev: *mut c_void, ours: bool, device_time: bool) {
+        let staged = std::mem::take(&mut self.staged);
         if ret != CL_SUCCESS || ev.is_null() {
             return;
         }
         let Some(set_cb) = self.api.clSetEventCallback else { return };
-        let ctx = Box::new(DeviceTimeCtx { shared: self.shared.clone(), ours });
+        let ctx = Box::new(DeviceTimeCtx { shared: self.shared.clone(), ours, device_time, _staged: staged });
         // SAFETY: ev is a live event; the trampoline takes back the box exactly once.
         let r = unsafe { set_cb(ev, CL_COMPLETE, device_time_tramp as *mut c_void, Box::into_raw(ctx) as *mut c_void) };
         if r != CL_SUCCESS {
-            tracing::debug!(r, "no device-time callback");
+            tracing::debug!(r, "no completion callback");
         }
     }
 }
@@ -573,13 +588,15 @@ struct CallbackCtx {
 struct DeviceTimeCtx {
     shared: Arc<Shared>,
     ours: bool,
+    device_time: bool,
+    _staged: Vec<Vec<u8>>,
 }
 
 extern "C" fn device_time_tramp(ev: *mut c_void, _status: i32, ud: *mut c_void) {
     // SAFETY: ud is the box made in device_time, handed over exactly once.
     let ctx = unsafe { Box::from_raw(ud as *mut DeviceTimeCtx) };
     let api = ctx.shared.api;
-    if let Some(prof) = api.clGetEventProfilingInfo {
+    if let Some(prof) = api.clGetEventProfilingInfo.filter(|_| ctx.device_time) {
         let (mut start, mut end) = (0u64, 0u64);
         // SAFETY: ev is the completed event; 8-byte outputs.
         let ok = unsafe {

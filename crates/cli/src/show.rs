@@ -1,0 +1,259 @@
+//! `hira ctl` and `hira top`: the control API, for people.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use hira_router::{Client, Request, Response, TenantStats};
+
+pub fn ctl(args: Vec<String>) -> Result<u8> {
+    let mut it = args.into_iter();
+    let (mut router, mut json, mut what) = (None, false, None);
+    while let Some(arg) = it.next() {
+        if let Some(v) = crate::take_value(&arg, "--router", &mut it)? {
+            router = Some(v);
+        } else if arg == "--json" {
+            json = true;
+        } else if what.is_none() && !arg.starts_with('-') {
+            what = Some(arg);
+        } else {
+            bail!("unknown argument {arg:?} for ctl");
+        }
+    }
+    let socket = crate::router_socket(router);
+    let req = match what.as_deref().unwrap_or("stats") {
+        "stats" => Request::Stats,
+        "metrics" => Request::Metrics,
+        "shutdown" => Request::Shutdown,
+        other => bail!("unknown ctl request {other:?} (stats, metrics, shutdown)"),
+    };
+    let resp = hira_router::request(&socket, &req)
+        .with_context(|| format!("router at {}", socket.display()))?;
+    match resp {
+        Response::Stats { tenants } if json => {
+            println!("{}", serde_json::to_string_pretty(&tenants)?);
+        }
+        Response::Stats { tenants } => print!("{}", table(&tenants, None, Duration::ZERO)),
+        Response::Metrics { text } => print!("{text}"),
+        Response::Ok => {}
+        Response::Error { message } => bail!("router refused: {message}"),
+    }
+    Ok(0)
+}
+
+pub fn top(args: Vec<String>) -> Result<u8> {
+    let mut it = args.into_iter();
+    let (mut router, mut interval, mut once) = (None, Duration::from_millis(1000), false);
+    while let Some(arg) = it.next() {
+        if let Some(v) = crate::take_value(&arg, "--router", &mut it)? {
+            router = Some(v);
+        } else if let Some(v) = crate::take_value(&arg, "--interval", &mut it)? {
+            let ms: u64 = v.parse().with_context(|| format!("bad interval {v:?}"))?;
+            interval = Duration::from_millis(ms.max(50));
+        } else if arg == "--once" {
+            once = true;
+        } else {
+            bail!("unknown argument {arg:?} for top");
+        }
+    }
+    let socket = crate::router_socket(router);
+    let mut client =
+        Client::connect(&socket).with_context(|| format!("router at {}", socket.display()))?;
+    let mut fetch = move || -> Result<Vec<TenantStats>> {
+        match client.call(&Request::Stats)? {
+            Response::Stats { tenants } => Ok(tenants),
+            other => bail!("unexpected answer {other:?}"),
+        }
+    };
+    if once {
+        print!("{}", table(&fetch()?, None, Duration::ZERO));
+        return Ok(0);
+    }
+    let _raw = RawTerminal::enter();
+    let (tx, keys) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut b = [0u8; 1];
+        while let Ok(1) = std::io::stdin().read(&mut b) {
+            if tx.send(b[0]).is_err() {
+                return;
+            }
+        }
+    });
+    let mut prev: Option<(Instant, Vec<TenantStats>)> = None;
+    loop {
+        let now = Instant::now();
+        let tenants = fetch()?;
+        let (before, dt) = match &prev {
+            Some((t, p)) => (Some(p.as_slice()), now - *t),
+            None => (None, Duration::ZERO),
+        };
+        let mut screen = String::from("\x1b[H\x1b[2J");
+        let _ = write!(
+            screen,
+            "hira top — {} — {} tenant(s) — q to quit\r\n\r\n",
+            socket.display(),
+            tenants.iter().filter(|t| t.alive).count()
+        );
+        screen.push_str(&table(&tenants, before, dt).replace('\n', "\r\n"));
+        let mut out = std::io::stdout().lock();
+        out.write_all(screen.as_bytes())?;
+        out.flush()?;
+        drop(out);
+        prev = Some((now, tenants));
+        match keys.recv_timeout(interval) {
+            Ok(b'q' | b'Q' | 3 | 4) => break,
+            Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => std::thread::sleep(interval),
+        }
+    }
+    println!();
+    Ok(0)
+}
+
+/// The stats as a text table; with a previous sample, calls/s and device utilization.
+fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) -> String {
+    let prev: HashMap<u64, &TenantStats> = before
+        .unwrap_or_default()
+        .iter()
+        .map(|t| (t.id, t))
+        .collect();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:>6} {:>8} {:<16} {:<5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9} {:>6}",
+        "TENANT",
+        "PID",
+        "COMMAND",
+        "STATE",
+        "CALLS",
+        "CALLS/S",
+        "IN",
+        "OUT",
+        "BULK",
+        "DEVICE MS",
+        "MEMORY",
+        "DEV%"
+    );
+    for t in tenants {
+        let (rate, util) = match prev.get(&t.id) {
+            Some(p) if !dt.is_zero() => (
+                format!(
+                    "{:.0}",
+                    t.calls.saturating_sub(p.calls) as f64 / dt.as_secs_f64()
+                ),
+                format!(
+                    "{:.0}",
+                    100.0 * t.device_ns.saturating_sub(p.device_ns) as f64 / dt.as_nanos() as f64
+                ),
+            ),
+            _ => ("-".into(), "-".into()),
+        };
+        let _ = writeln!(
+            s,
+            "{:>6} {:>8} {:<16} {:<5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12.1} {:>9} {:>6}",
+            t.id,
+            t.pid,
+            truncate(&t.command, 16),
+            if t.alive { "up" } else { "done" },
+            t.calls,
+            rate,
+            bytes(t.bytes_in),
+            bytes(t.bytes_out),
+            bytes(t.bulk),
+            t.device_ns as f64 / 1e6,
+            bytes(t.mem_bytes),
+            util
+        );
+    }
+    if tenants.is_empty() {
+        s.push_str("(no tenants)\n");
+    }
+    s
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    s.chars().take(n).collect()
+}
+
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n}B")
+    } else {
+        format!("{v:.1}{}", UNITS[u])
+    }
+}
+
+/// Stdin in non-canonical, no-echo, no-signal mode while alive (so q and Ctrl-C arrive as
+/// bytes and the terminal is restored on every exit path).
+struct RawTerminal {
+    saved: Option<libc::termios>,
+}
+
+impl RawTerminal {
+    fn enter() -> RawTerminal {
+        // SAFETY: termios is plain old data; all-zero is a valid value.
+        let mut t: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: `t` is valid for writes; fd 0 may or may not be a terminal.
+        if unsafe { libc::tcgetattr(0, &mut t) } != 0 {
+            return RawTerminal { saved: None };
+        }
+        let saved = t;
+        t.c_lflag &= !(libc::ICANON | libc::ECHO | libc::ISIG);
+        t.c_cc[libc::VMIN] = 1;
+        t.c_cc[libc::VTIME] = 0;
+        // SAFETY: `t` is a valid termios obtained from tcgetattr.
+        unsafe { libc::tcsetattr(0, libc::TCSANOW, &t) };
+        print!("\x1b[?25l");
+        RawTerminal { saved: Some(saved) }
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        if let Some(t) = &self.saved {
+            // SAFETY: `t` is the termios saved by `enter`.
+            unsafe { libc::tcsetattr(0, libc::TCSANOW, t) };
+            print!("\x1b[?25h");
+            let _ = std::io::stdout().flush();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_human() {
+        assert_eq!(bytes(512), "512B");
+        assert_eq!(bytes(1536), "1.5KiB");
+        assert_eq!(bytes(3 << 30), "3.0GiB");
+    }
+
+    #[test]
+    fn table_lists_tenants() {
+        let t = TenantStats {
+            id: 3,
+            pid: 99,
+            command: "app".into(),
+            alive: true,
+            calls: 12,
+            ..TenantStats::default()
+        };
+
+        let out = table(&[t], None, Duration::ZERO);
+
+        assert!(out.contains("app"));
+        assert!(out.lines().nth(1).unwrap().contains(" 12 "));
+    }
+}

@@ -1,0 +1,107 @@
+//! The control API: one JSON [`Request`] per line on `<socket>.ctl`, answered by one JSON
+//! [`Response`] line. Only the router's own user (or root) is served.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::TenantStats;
+use crate::{Error, Result};
+
+/// Longest request line accepted.
+pub const MAX_LINE: u64 = 64 * 1024;
+
+/// Everything the control API can be asked.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Request {
+    /// Per-tenant metrics (live tenants and recently finished ones).
+    Stats,
+    /// The same, in the Prometheus text format.
+    Metrics,
+    /// Stop the router: servers are told to exit, then killed.
+    Shutdown,
+}
+
+/// Answers of the control API.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Response {
+    Stats { tenants: Vec<TenantStats> },
+    Metrics { text: String },
+    Ok,
+    Error { message: String },
+}
+
+/// `<socket>.ctl`.
+pub fn ctl_path(socket: &Path) -> PathBuf {
+    let mut s = OsString::from(socket.as_os_str());
+    s.push(".ctl");
+    PathBuf::from(s)
+}
+
+/// A connection to a router's control API.
+#[derive(Debug)]
+pub struct Client {
+    reader: BufReader<UnixStream>,
+}
+
+impl Client {
+    /// Connects to the control API of the router listening on `socket` (the guest socket's
+    /// path; `.ctl` is appended).
+    pub fn connect(socket: &Path) -> Result<Client> {
+        let stream = UnixStream::connect(ctl_path(socket))?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        Ok(Client {
+            reader: BufReader::new(stream),
+        })
+    }
+
+    /// Sends one request and waits for its answer; an [`Response::Error`] becomes
+    /// [`Error::Refused`].
+    pub fn call(&mut self, req: &Request) -> Result<Response> {
+        let mut line = serde_json::to_vec(req)?;
+        line.push(b'\n');
+        self.reader.get_mut().write_all(&line)?;
+        let mut answer = String::new();
+        (&mut self.reader).take(64 << 20).read_line(&mut answer)?;
+        if answer.is_empty() {
+            return Err(Error::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        match serde_json::from_str(&answer)? {
+            Response::Error { message } => Err(Error::Refused(message)),
+            r => Ok(r),
+        }
+    }
+}
+
+/// One request on a fresh connection.
+pub fn request(socket: &Path, req: &Request) -> Result<Response> {
+    Client::connect(socket)?.call(req)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_json_strings() {
+        assert_eq!(serde_json::to_string(&Request::Stats).unwrap(), "\"stats\"");
+        assert_eq!(
+            serde_json::from_str::<Request>("\"shutdown\"").unwrap(),
+            Request::Shutdown
+        );
+    }
+
+    #[test]
+    fn ctl_path_appends_suffix() {
+        assert_eq!(
+            ctl_path(Path::new("/tmp/r.sock")),
+            PathBuf::from("/tmp/r.sock.ctl")
+        );
+    }
+}

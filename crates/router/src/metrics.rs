@@ -1,0 +1,274 @@
+//! Per-tenant metrics: atomic counters updated on the forwarding path, snapshotted for the
+//! control API and exported in the Prometheus text format.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+/// Counters of one tenant (one guest process and its API server).
+#[derive(Debug)]
+pub struct TenantMetrics {
+    pub id: u64,
+    pub pid: i32,
+    /// `/proc/<pid>/comm` when the tenant was admitted.
+    pub command: String,
+    pub started: SystemTime,
+    /// The API server is running.
+    pub alive: AtomicBool,
+    /// Guest connections currently open.
+    pub connections: AtomicU64,
+    /// API calls (request frames).
+    pub calls: AtomicU64,
+    calls_by_op: Box<[AtomicU64]>,
+    /// Requests whose opcode is not in the spec (forwarded; the server refuses them).
+    pub unknown_calls: AtomicU64,
+    /// Frame bytes guest → server.
+    pub bytes_in: AtomicU64,
+    /// Frame bytes server → guest.
+    pub bytes_out: AtomicU64,
+    /// Bulk bytes moved through shared memory, as announced by request headers.
+    pub bulk: AtomicU64,
+    /// Device time reported by replies.
+    pub device_ns: AtomicU64,
+    /// Bytes requested by allocating calls.
+    pub alloc_requested: AtomicU64,
+    /// Asynchronous calls dropped because the server was gone.
+    pub dropped: AtomicU64,
+    /// Calls answered with FAILED.
+    pub failed: AtomicU64,
+    /// Malformed frames received from the guest.
+    pub bad_frames: AtomicU64,
+    /// Latest USAGE sample from the server: device time total.
+    pub usage_device_ns: AtomicU64,
+    /// Latest USAGE sample: device memory held.
+    pub mem_bytes: AtomicU64,
+    /// Latest USAGE sample: live API objects.
+    pub objects: AtomicU64,
+}
+
+impl TenantMetrics {
+    /// Fresh counters for a tenant.
+    pub fn new(id: u64, pid: i32, command: String) -> TenantMetrics {
+        TenantMetrics {
+            id,
+            pid,
+            command,
+            started: SystemTime::now(),
+            alive: AtomicBool::new(true),
+            connections: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+            calls_by_op: (0..hira_opencl::OPS.len())
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            unknown_calls: AtomicU64::new(0),
+            bytes_in: AtomicU64::new(0),
+            bytes_out: AtomicU64::new(0),
+            bulk: AtomicU64::new(0),
+            device_ns: AtomicU64::new(0),
+            alloc_requested: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            bad_frames: AtomicU64::new(0),
+            usage_device_ns: AtomicU64::new(0),
+            mem_bytes: AtomicU64::new(0),
+            objects: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts one API call by opcode.
+    pub fn count_call(&self, opcode: u16) {
+        self.calls.fetch_add(1, Relaxed);
+        match usize::from(opcode)
+            .checked_sub(1)
+            .and_then(|i| self.calls_by_op.get(i))
+        {
+            Some(c) => c.fetch_add(1, Relaxed),
+            None => self.unknown_calls.fetch_add(1, Relaxed),
+        };
+    }
+
+    /// A consistent-enough copy for reporting.
+    pub fn snapshot(&self) -> TenantStats {
+        let calls_by_op = self
+            .calls_by_op
+            .iter()
+            .zip(hira_opencl::OPS.iter())
+            .filter_map(|(c, info)| {
+                let n = c.load(Relaxed);
+                (n > 0).then(|| (info.name.to_string(), n))
+            })
+            .collect();
+        TenantStats {
+            id: self.id,
+            pid: self.pid,
+            command: self.command.clone(),
+            alive: self.alive.load(Relaxed),
+            started_unix_ms: self
+                .started
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+            connections: self.connections.load(Relaxed),
+            calls: self.calls.load(Relaxed),
+            calls_by_op,
+            unknown_calls: self.unknown_calls.load(Relaxed),
+            bytes_in: self.bytes_in.load(Relaxed),
+            bytes_out: self.bytes_out.load(Relaxed),
+            bulk: self.bulk.load(Relaxed),
+            device_ns: self
+                .device_ns
+                .load(Relaxed)
+                .max(self.usage_device_ns.load(Relaxed)),
+            alloc_requested: self.alloc_requested.load(Relaxed),
+            mem_bytes: self.mem_bytes.load(Relaxed),
+            objects: self.objects.load(Relaxed),
+            dropped: self.dropped.load(Relaxed),
+            failed: self.failed.load(Relaxed),
+            bad_frames: self.bad_frames.load(Relaxed),
+        }
+    }
+}
+
+/// A snapshot of one tenant's metrics, as the control API reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantStats {
+    pub id: u64,
+    pub pid: i32,
+    pub command: String,
+    pub alive: bool,
+    pub started_unix_ms: u64,
+    pub connections: u64,
+    pub calls: u64,
+    pub calls_by_op: BTreeMap<String, u64>,
+    pub unknown_calls: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub bulk: u64,
+    /// The larger of the replies' device time and the server's latest USAGE total.
+    pub device_ns: u64,
+    pub alloc_requested: u64,
+    pub mem_bytes: u64,
+    pub objects: u64,
+    pub dropped: u64,
+    pub failed: u64,
+    pub bad_frames: u64,
+}
+
+/// Prometheus text exposition of tenant snapshots.
+pub fn prometheus(tenants: &[TenantStats]) -> String {
+    let mut out = String::new();
+    let gauges: [(&str, &str, fn(&TenantStats) -> u64); 13] = [
+        ("hira_tenant_alive", "API server running", |t| {
+            u64::from(t.alive)
+        }),
+        ("hira_tenant_connections", "open guest connections", |t| {
+            t.connections
+        }),
+        ("hira_tenant_calls_total", "API calls", |t| t.calls),
+        (
+            "hira_tenant_bytes_in_total",
+            "frame bytes guest to server",
+            |t| t.bytes_in,
+        ),
+        (
+            "hira_tenant_bytes_out_total",
+            "frame bytes server to guest",
+            |t| t.bytes_out,
+        ),
+        (
+            "hira_tenant_bulk_bytes_total",
+            "bulk bytes via shared memory",
+            |t| t.bulk,
+        ),
+        ("hira_tenant_device_ns_total", "device time in ns", |t| {
+            t.device_ns
+        }),
+        (
+            "hira_tenant_alloc_requested_bytes_total",
+            "bytes requested by allocations",
+            |t| t.alloc_requested,
+        ),
+        ("hira_tenant_mem_bytes", "device memory held", |t| {
+            t.mem_bytes
+        }),
+        ("hira_tenant_objects", "live API objects", |t| t.objects),
+        ("hira_tenant_dropped_total", "async calls dropped", |t| {
+            t.dropped
+        }),
+        ("hira_tenant_failed_total", "calls answered FAILED", |t| {
+            t.failed
+        }),
+        (
+            "hira_tenant_bad_frames_total",
+            "malformed guest frames",
+            |t| t.bad_frames,
+        ),
+    ];
+    for (name, help, get) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for t in tenants {
+            let _ = writeln!(
+                out,
+                "{name}{{tenant=\"{}\",pid=\"{}\",command=\"{}\"}} {}",
+                t.id,
+                t.pid,
+                escape(&t.command),
+                get(t)
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP hira_tenant_op_calls_total API calls by function\n# TYPE hira_tenant_op_calls_total counter"
+    );
+    for t in tenants {
+        for (op, n) in &t.calls_by_op {
+            let _ = writeln!(
+                out,
+                "hira_tenant_op_calls_total{{tenant=\"{}\",op=\"{op}\"}} {n}",
+                t.id
+            );
+        }
+    }
+    out
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calls_are_counted_by_name() {
+        let m = TenantMetrics::new(1, 2, "app".into());
+
+        m.count_call(hira_opencl::OP_CLCREATEBUFFER);
+        m.count_call(hira_opencl::OP_CLCREATEBUFFER);
+        m.count_call(u16::MAX);
+        let s = m.snapshot();
+
+        assert_eq!(s.calls, 3);
+        assert_eq!(s.calls_by_op.get("clCreateBuffer"), Some(&2));
+        assert_eq!(s.unknown_calls, 1);
+    }
+
+    #[test]
+    fn prometheus_text_names_tenants() {
+        let m = TenantMetrics::new(7, 42, "a\"b".into());
+        m.count_call(hira_opencl::OP_CLCREATEBUFFER);
+
+        let text = prometheus(&[m.snapshot()]);
+
+        assert!(
+            text.contains("hira_tenant_calls_total{tenant=\"7\",pid=\"42\",command=\"a\\\"b\"} 1")
+        );
+        assert!(text.contains("op=\"clCreateBuffer\"} 1"));
+    }
+}

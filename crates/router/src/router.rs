@@ -1,0 +1,985 @@
+//! Admission, forwarding and accounting.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use hira_opencl::cl;
+use hira_transport::{Conn, FrameReader, Listener};
+use hira_wire::{control, flags, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
+use tracing::{debug, info, warn};
+
+use crate::config::{Config, SERVER_GRACE};
+use crate::ctl::{self, Request, Response};
+use crate::metrics::{prometheus, TenantMetrics, TenantStats};
+use crate::supervise::{self, ServerProc};
+use crate::Result;
+
+/// A guest must say HELLO within this time.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Frames at least this large are sent straight from the read buffer, never copied.
+const DIRECT_MIN: usize = 64 * 1024;
+/// A batch of small frames is sent once it reaches this size.
+const BATCH_MAX: usize = 256 * 1024;
+/// Finished tenants kept for the control API.
+const HISTORY: usize = 64;
+
+/// Runs a router until it is stopped (control API `shutdown`, or `idle_exit`).
+pub fn serve(cfg: Config) -> Result<()> {
+    start(cfg)?.wait()
+}
+
+/// Binds the router's sockets and starts serving on background threads.
+pub fn start(cfg: Config) -> Result<Handle> {
+    cfg.validate()?;
+    let listener = Listener::bind(&cfg.socket)?;
+    let ctl_listener = Listener::bind(&ctl::ctl_path(&cfg.socket))?;
+    info!(socket = %cfg.socket.display(), "router listening");
+    let router = Arc::new(Router {
+        cfg,
+        state: Mutex::new(State {
+            live: HashMap::new(),
+            history: VecDeque::new(),
+            ctl_clients: 0,
+            idle_since: Instant::now(),
+        }),
+        idle_cv: Condvar::new(),
+        next_tenant: AtomicU64::new(1),
+        next_conn: AtomicU64::new(1),
+        stopping: AtomicBool::new(false),
+    });
+    let r = Arc::clone(&router);
+    std::thread::Builder::new()
+        .name("hira-ctl".into())
+        .spawn(move || r.ctl_loop(ctl_listener))?;
+    if let Some(limit) = router.cfg.idle_exit {
+        let r = Arc::clone(&router);
+        std::thread::Builder::new()
+            .name("hira-idle".into())
+            .spawn(move || r.idle_watch(limit))?;
+    }
+    let r = Arc::clone(&router);
+    let accept = std::thread::Builder::new()
+        .name("hira-accept".into())
+        .spawn(move || r.accept_loop(listener))?;
+    Ok(Handle {
+        router,
+        accept: Some(accept),
+    })
+}
+
+/// A running router; dropping the handle stops it.
+#[derive(Debug)]
+pub struct Handle {
+    router: Arc<Router>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl Handle {
+    /// Asks the router to stop; [`Handle::wait`] returns once it has.
+    pub fn stop(&self) {
+        self.router.stop();
+    }
+
+    /// Snapshots of live and recently finished tenants.
+    pub fn stats(&self) -> Vec<TenantStats> {
+        self.router.stats()
+    }
+
+    /// The guest socket.
+    pub fn socket(&self) -> &Path {
+        &self.router.cfg.socket
+    }
+
+    /// Waits until the router has stopped and its servers are gone.
+    pub fn wait(mut self) -> Result<()> {
+        if let Some(accept) = self.accept.take() {
+            let _ = accept.join();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        if let Some(accept) = self.accept.take() {
+            self.router.stop();
+            let _ = accept.join();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Router {
+    cfg: Config,
+    state: Mutex<State>,
+    /// Signalled when the number of clients changes or the router stops.
+    idle_cv: Condvar,
+    next_tenant: AtomicU64,
+    next_conn: AtomicU64,
+    stopping: AtomicBool,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Tenants with open connections, by process id.
+    live: HashMap<i32, Arc<Tenant>>,
+    history: VecDeque<Arc<TenantMetrics>>,
+    ctl_clients: usize,
+    /// When the last client left.
+    idle_since: Instant,
+}
+
+impl State {
+    fn clients(&self) -> usize {
+        self.live.len() + self.ctl_clients
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panicking thread cannot leave these maps inconsistent: keep serving.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Router {
+    fn accept_loop(self: Arc<Self>, listener: Listener) {
+        loop {
+            let accepted = listener.accept();
+            if self.stopping.load(SeqCst) {
+                break;
+            }
+            match accepted {
+                Ok(conn) => {
+                    let r = Arc::clone(&self);
+                    let spawned = std::thread::Builder::new()
+                        .name("hira-guest".into())
+                        .spawn(move || r.handle_guest(conn));
+                    if let Err(e) = spawned {
+                        warn!(error = %e, "cannot start a connection thread");
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+        self.shutdown_all();
+        let _ = std::fs::remove_file(&self.cfg.socket);
+        let _ = std::fs::remove_file(ctl::ctl_path(&self.cfg.socket));
+        info!("router stopped");
+    }
+
+    fn stop(&self) {
+        if self.stopping.swap(true, SeqCst) {
+            return;
+        }
+        info!("router stopping");
+        self.idle_cv.notify_all();
+        // Wake the blocking accepts.
+        let _ = Conn::connect(&self.cfg.socket);
+        let _ = Conn::connect(&ctl::ctl_path(&self.cfg.socket));
+    }
+
+    fn shutdown_all(&self) {
+        let tenants: Vec<Arc<Tenant>> = lock(&self.state).live.values().cloned().collect();
+        for t in &tenants {
+            for link in lock(&t.links).values() {
+                link.guest_ctl.shutdown();
+                link.server_ctl.shutdown();
+            }
+            t.retiring.store(true, SeqCst);
+            t.control.shutdown();
+        }
+        for t in &tenants {
+            if let Some(p) = &t.proc {
+                p.kill_after(SERVER_GRACE);
+            }
+        }
+    }
+
+    fn idle_watch(&self, limit: Duration) {
+        let mut st = lock(&self.state);
+        loop {
+            if self.stopping.load(SeqCst) {
+                return;
+            }
+            if st.clients() > 0 {
+                st = self.idle_cv.wait(st).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            let idle = st.idle_since.elapsed();
+            if idle >= limit {
+                drop(st);
+                info!(idle_ms = idle.as_millis() as u64, "no tenants; exiting");
+                self.stop();
+                return;
+            }
+            st = self
+                .idle_cv
+                .wait_timeout(st, limit - idle)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn stats(&self) -> Vec<TenantStats> {
+        let st = lock(&self.state);
+        let mut v: Vec<TenantStats> = st
+            .history
+            .iter()
+            .map(|m| m.snapshot())
+            .chain(st.live.values().map(|t| t.m.snapshot()))
+            .collect();
+        v.sort_by_key(|t| t.id);
+        v
+    }
+
+    // ---- guest connections ----
+
+    fn handle_guest(self: Arc<Self>, conn: Conn) {
+        let cred = match conn.peer_cred() {
+            Ok(c) => c,
+            Err(e) => {
+                debug!(error = %e, "no peer credentials");
+                return;
+            }
+        };
+        let guest_tx = match conn.try_clone() {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "cannot clone guest socket");
+                return;
+            }
+        };
+        let mut reader = FrameReader::new(conn);
+        let _ = reader.conn().set_read_timeout(Some(HELLO_TIMEOUT));
+        let hello = match read_hello(&mut reader) {
+            Ok(Some(h)) => h,
+            Ok(None) => {
+                debug!(pid = cred.pid, "connection closed before HELLO");
+                return;
+            }
+            Err(reason) => {
+                warn!(pid = cred.pid, %reason, "bad HELLO; closing");
+                let _ = guest_tx.send(&failed_frame(0, cl::CL_INVALID_VALUE), &[]);
+                return;
+            }
+        };
+        let _ = reader.conn().set_read_timeout(None);
+        let key = if self.cfg.tenant_by_hello_pid {
+            hello.pid as i32
+        } else {
+            cred.pid
+        };
+        let (tenant, link, r_end) = match self.admit(key, &hello, guest_tx) {
+            Ok(x) => x,
+            Err((guest_tx, reason)) => {
+                warn!(pid = key, %reason, "connection refused");
+                let _ = guest_tx.send(
+                    &welcome_frame(hello.seq, 0, 0, cl::CL_OUT_OF_RESOURCES),
+                    &[],
+                );
+                return;
+            }
+        };
+        let tid = tenant.m.id;
+        debug!(
+            tenant = tid,
+            conn = link.id,
+            role = hello.role,
+            tid = hello.tid,
+            "connection attached"
+        );
+        if let Err(e) = link.send_guest(&welcome_frame(hello.seq, tid, link.id, 0)) {
+            debug!(tenant = tid, error = %e, "guest left before WELCOME");
+        } else {
+            let s2g = {
+                let (t, l) = (Arc::clone(&tenant), Arc::clone(&link));
+                r_end
+                    .try_clone()
+                    .map_err(std::io::Error::other)
+                    .and_then(|c| {
+                        std::thread::Builder::new()
+                            .name("hira-s2g".into())
+                            .spawn(move || server_to_guest(&t, &l, FrameReader::new(c)))
+                    })
+            };
+            match s2g {
+                Ok(s2g) => {
+                    guest_to_server(&tenant, &link, &mut reader, &r_end);
+                    link.closing.store(true, SeqCst);
+                    r_end.shutdown();
+                    let _ = s2g.join();
+                }
+                Err(e) => warn!(tenant = tid, error = %e, "cannot start a forwarding thread"),
+            }
+        }
+        link.guest_ctl.shutdown();
+        r_end.shutdown();
+        self.detach(&tenant, link.id);
+    }
+
+    /// Finds or creates the tenant and attaches a new connection to its server.
+    fn admit(
+        &self,
+        key: i32,
+        hello: &Hello,
+        guest_tx: Conn,
+    ) -> std::result::Result<(Arc<Tenant>, Arc<Link>, Conn), (Conn, String)> {
+        let (r_end, s_end) = match Conn::pair() {
+            Ok(p) => p,
+            Err(e) => return Err((guest_tx, format!("socketpair: {e}"))),
+        };
+        let clones = guest_tx
+            .try_clone()
+            .and_then(|g| Ok((g, r_end.try_clone()?)));
+        let (guest_ctl, server_ctl) = match clones {
+            Ok(c) => c,
+            Err(e) => return Err((guest_tx, format!("dup: {e}"))),
+        };
+        let tenant = {
+            let mut st = lock(&self.state);
+            if self.stopping.load(SeqCst) {
+                return Err((guest_tx, "router is stopping".into()));
+            }
+            let tenant = match st.live.get(&key) {
+                Some(t) => Arc::clone(t),
+                None => match self.new_tenant(key) {
+                    Ok(t) => {
+                        st.live.insert(key, Arc::clone(&t));
+                        self.idle_cv.notify_all();
+                        t
+                    }
+                    Err(e) => return Err((guest_tx, format!("cannot start API server: {e}"))),
+                },
+            };
+            if tenant.dead.load(SeqCst) {
+                return Err((guest_tx, "tenant's API server is gone".into()));
+            }
+            tenant
+        };
+        let link = Arc::new(Link {
+            id: self.next_conn.fetch_add(1, Relaxed),
+            guest_tx: Mutex::new(guest_tx),
+            guest_ctl,
+            server_ctl,
+            pending: Mutex::new(Pending::default()),
+            closing: AtomicBool::new(false),
+        });
+        lock(&tenant.links).insert(link.id, Arc::clone(&link));
+        tenant.m.connections.fetch_add(1, Relaxed);
+        if let Err(e) = tenant.attach(link.id, hello, s_end) {
+            self.detach(&tenant, link.id);
+            let guest_tx = std::mem::replace(&mut *lock(&link.guest_tx), link.guest_ctl_clone());
+            return Err((guest_tx, format!("ATTACH failed: {e}")));
+        }
+        Ok((tenant, link, r_end))
+    }
+
+    /// Creates a tenant and spawns its server; called with the state locked.
+    fn new_tenant(&self, key: i32) -> Result<Arc<Tenant>> {
+        let id = self.next_tenant.fetch_add(1, Relaxed);
+        let command = std::fs::read_to_string(format!("/proc/{key}/comm"))
+            .map(|s| s.trim_end().to_string())
+            .unwrap_or_default();
+        let cell: Arc<OnceLock<Weak<Tenant>>> = Arc::new(OnceLock::new());
+        let on_exit = {
+            let cell = Arc::clone(&cell);
+            move |status: String| {
+                if let Some(t) = cell.get().and_then(Weak::upgrade) {
+                    t.server_died(&format!("API server exited ({status})"));
+                } else {
+                    info!(tenant = id, %status, "API server exited");
+                }
+            }
+        };
+        let (control, proc) = supervise::spawn(&self.cfg, id, on_exit)?;
+        let control_rx = control.try_clone()?;
+        let tenant = Arc::new(Tenant {
+            key,
+            m: Arc::new(TenantMetrics::new(id, key, command)),
+            control,
+            control_tx: Mutex::new(()),
+            links: Mutex::new(HashMap::new()),
+            dead: AtomicBool::new(false),
+            retiring: AtomicBool::new(false),
+            proc,
+        });
+        let _ = cell.set(Arc::downgrade(&tenant));
+        let t = Arc::clone(&tenant);
+        std::thread::Builder::new()
+            .name(format!("hira-control-{id}"))
+            .spawn(move || control_loop(&t, FrameReader::new(control_rx)))?;
+        info!(tenant = id, pid = key, command = %tenant.m.command, "tenant admitted");
+        Ok(tenant)
+    }
+
+    /// Removes a closed connection; the tenant's last one retires the tenant.
+    fn detach(&self, tenant: &Arc<Tenant>, link: u64) {
+        let last = {
+            let mut st = lock(&self.state);
+            let mut links = lock(&tenant.links);
+            if links.remove(&link).is_some() {
+                tenant.m.connections.fetch_sub(1, Relaxed);
+            }
+            let last = links.is_empty();
+            drop(links);
+            if last
+                && st
+                    .live
+                    .get(&tenant.key)
+                    .is_some_and(|t| Arc::ptr_eq(t, tenant))
+            {
+                st.live.remove(&tenant.key);
+                st.history.push_back(Arc::clone(&tenant.m));
+                if st.history.len() > HISTORY {
+                    st.history.pop_front();
+                }
+                if st.clients() == 0 {
+                    st.idle_since = Instant::now();
+                    self.idle_cv.notify_all();
+                }
+            }
+            last
+        };
+        if last {
+            tenant.retire();
+        }
+    }
+
+    // ---- control API ----
+
+    fn ctl_loop(self: Arc<Self>, listener: Listener) {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        loop {
+            let accepted = listener.accept();
+            if self.stopping.load(SeqCst) {
+                return;
+            }
+            let conn = match accepted {
+                Ok(c) => c,
+                Err(e) => {
+                    warn!(error = %e, "control accept failed");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            match conn.peer_cred() {
+                Ok(c) if c.uid == me || c.uid == 0 => {}
+                other => {
+                    warn!(cred = ?other, "control client of another user refused");
+                    continue;
+                }
+            }
+            let r = Arc::clone(&self);
+            let _ = std::thread::Builder::new()
+                .name("hira-ctl-client".into())
+                .spawn(move || {
+                    lock(&r.state).ctl_clients += 1;
+                    r.idle_cv.notify_all();
+                    r.ctl_client(UnixStream::from(OwnedFd::from(conn)));
+                    let mut st = lock(&r.state);
+                    st.ctl_clients -= 1;
+                    if st.clients() == 0 {
+                        st.idle_since = Instant::now();
+                        r.idle_cv.notify_all();
+                    }
+                });
+        }
+    }
+
+    fn ctl_client(&self, stream: UnixStream) {
+        let Ok(mut out) = stream.try_clone() else {
+            return;
+        };
+        let mut reader = BufReader::new(stream);
+        loop {
+            let mut line = String::new();
+            match (&mut reader).take(ctl::MAX_LINE).read_line(&mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            if !line.ends_with('\n') && line.len() as u64 >= ctl::MAX_LINE {
+                let _ = write_json(
+                    &mut out,
+                    &Response::Error {
+                        message: "request too long".into(),
+                    },
+                );
+                return;
+            }
+            let req = serde_json::from_str::<Request>(line.trim());
+            let resp = match &req {
+                Ok(Request::Stats) => Response::Stats {
+                    tenants: self.stats(),
+                },
+                Ok(Request::Metrics) => Response::Metrics {
+                    text: prometheus(&self.stats()),
+                },
+                Ok(Request::Shutdown) => Response::Ok,
+                Err(e) => Response::Error {
+                    message: format!("bad request: {e}"),
+                },
+            };
+            if write_json(&mut out, &resp).is_err() {
+                return;
+            }
+            if matches!(req, Ok(Request::Shutdown)) {
+                self.stop();
+                return;
+            }
+        }
+    }
+}
+
+fn write_json(out: &mut UnixStream, resp: &Response) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(resp).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    out.write_all(&line)
+}
+
+// ---- tenants and connections ----
+
+#[derive(Debug)]
+struct Tenant {
+    /// Process id the tenant is known by.
+    key: i32,
+    m: Arc<TenantMetrics>,
+    /// Router end of the server's control socket.
+    control: Conn,
+    /// Serializes ATTACH frames (each carries fds).
+    control_tx: Mutex<()>,
+    links: Mutex<HashMap<u64, Arc<Link>>>,
+    /// The server is gone; every call fails.
+    dead: AtomicBool,
+    /// The router is letting the server go (last connection closed or shutdown).
+    retiring: AtomicBool,
+    proc: Option<Arc<ServerProc>>,
+}
+
+impl Tenant {
+    fn attach(&self, conn_id: u64, hello: &Hello, s_end: Conn) -> Result<()> {
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        w.u64(conn_id);
+        w.u32(hello.role);
+        w.u64(hello.shm_len);
+        let mut frame = w.buf;
+        Header::new(
+            Kind::Control,
+            control::ATTACH,
+            conn_id,
+            frame.len() - HEADER_LEN,
+        )
+        .write_to(&mut frame);
+        let mut fds = vec![s_end.as_fd()];
+        if let Some(shm) = &hello.shm {
+            fds.push(shm.as_fd());
+        }
+        let _guard = lock(&self.control_tx);
+        self.control.send(&frame, &fds)?;
+        Ok(())
+    }
+
+    /// The server is gone: fail every outstanding call of every connection.
+    fn server_died(&self, why: &str) {
+        if self.dead.swap(true, SeqCst) {
+            return;
+        }
+        self.m.alive.store(false, Relaxed);
+        if self.retiring.load(SeqCst) {
+            info!(tenant = self.m.id, %why, "API server finished");
+        } else {
+            warn!(tenant = self.m.id, %why, "API server died; failing the tenant's calls");
+        }
+        self.control.shutdown();
+        let links: Vec<Arc<Link>> = lock(&self.links).values().cloned().collect();
+        for l in links {
+            l.fail_all(&self.m);
+        }
+    }
+
+    /// Lets the server go after the last connection closed: close its control socket and
+    /// kill it if it has not exited within [`SERVER_GRACE`].
+    fn retire(&self) {
+        self.retiring.store(true, SeqCst);
+        self.control.shutdown();
+        info!(tenant = self.m.id, "tenant's last connection closed");
+        if let Some(p) = &self.proc {
+            let p = Arc::clone(p);
+            let _ = std::thread::Builder::new()
+                .name("hira-retire".into())
+                .spawn(move || p.kill_after(SERVER_GRACE));
+        }
+    }
+}
+
+/// One guest connection and its socket to the server.
+#[derive(Debug)]
+struct Link {
+    id: u64,
+    /// Writes to the guest (replies, callbacks, FAILED) are serialized here.
+    guest_tx: Mutex<Conn>,
+    /// Shuts the guest socket down without taking the write lock.
+    guest_ctl: Conn,
+    /// Shuts the server socket (r_end) down.
+    server_ctl: Conn,
+    pending: Mutex<Pending>,
+    /// The guest side has ended; nothing more is sent to it.
+    closing: AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    /// Sequence numbers of synchronous frames awaiting an answer.
+    seqs: HashSet<u64>,
+    /// The server side of this connection is gone.
+    gone: bool,
+}
+
+impl Link {
+    fn guest_ctl_clone(&self) -> Conn {
+        self.guest_ctl
+            .try_clone()
+            .unwrap_or_else(|_| Conn::pair().expect("socketpair for a dead end").0)
+    }
+
+    fn send_guest(&self, data: &[u8]) -> hira_transport::Result<()> {
+        lock(&self.guest_tx).send(data, &[])
+    }
+
+    /// Records an outstanding synchronous frame; false if the server is gone.
+    fn track(&self, seq: u64) -> bool {
+        let mut p = lock(&self.pending);
+        if p.gone {
+            return false;
+        }
+        p.seqs.insert(seq);
+        true
+    }
+
+    fn is_gone(&self) -> bool {
+        lock(&self.pending).gone
+    }
+
+    /// An answer arrived for `seq`; false if the connection has failed (drop the answer).
+    fn complete(&self, seq: u64) -> bool {
+        let mut p = lock(&self.pending);
+        p.seqs.remove(&seq);
+        !p.gone
+    }
+
+    /// Marks the server side gone and answers every outstanding call with FAILED.
+    fn fail_all(&self, m: &TenantMetrics) {
+        let seqs: Vec<u64> = {
+            let mut p = lock(&self.pending);
+            p.gone = true;
+            p.seqs.drain().collect()
+        };
+        if seqs.is_empty() || self.closing.load(SeqCst) {
+            return;
+        }
+        m.failed.fetch_add(seqs.len() as u64, Relaxed);
+        let mut batch = Vec::with_capacity(seqs.len() * (HEADER_LEN + 4));
+        for seq in seqs {
+            batch.extend_from_slice(&failed_frame(seq, cl::CL_OUT_OF_RESOURCES));
+        }
+        let _ = self.send_guest(&batch);
+    }
+}
+
+#[derive(Debug)]
+struct Hello {
+    seq: u64,
+    role: u32,
+    pid: u32,
+    tid: u64,
+    shm_len: u64,
+    shm: Option<OwnedFd>,
+}
+
+fn read_hello(reader: &mut FrameReader) -> std::result::Result<Option<Hello>, String> {
+    let frame = match reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {
+        Ok(Some(f)) => f,
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    };
+    let h = Header::parse(frame).map_err(|e| e.to_string())?;
+    if h.kind != Kind::Control || h.opcode != control::HELLO {
+        return Err(format!(
+            "expected HELLO, got {:?} opcode {}",
+            h.kind, h.opcode
+        ));
+    }
+    let mut r = Reader::new(&frame[HEADER_LEN..]);
+    let fields = (|| Ok::<_, hira_wire::Error>((r.u32()?, r.u32()?, r.u64()?, r.u64()?)))();
+    let (role, pid, tid, shm_len) = fields.map_err(|e| format!("HELLO payload: {e}"))?;
+    if role != control::ROLE_CALLS && role != control::ROLE_CALLBACKS {
+        return Err(format!("unknown role {role}"));
+    }
+    let shm = reader.take_fd();
+    if shm_len > 0 && shm.is_none() {
+        return Err("HELLO announces shared memory but carries no fd".into());
+    }
+    Ok(Some(Hello {
+        seq: h.seq,
+        role,
+        pid,
+        tid,
+        shm_len,
+        shm: if shm_len > 0 { shm } else { None },
+    }))
+}
+
+fn control_frame(opcode: u16, seq: u64, payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![0u8; HEADER_LEN];
+    Header::new(Kind::Control, opcode, seq, payload.len()).write_to(&mut f);
+    f.extend_from_slice(payload);
+    f
+}
+
+fn failed_frame(seq: u64, code: i32) -> Vec<u8> {
+    control_frame(control::FAILED, seq, &code.to_le_bytes())
+}
+
+fn welcome_frame(seq: u64, tenant: u64, conn: u64, status: i32) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(tenant);
+    w.u64(conn);
+    w.i32(status);
+    control_frame(control::WELCOME, seq, &w.buf)
+}
+
+fn flush(to: &Conn, batch: &mut Vec<u8>) -> hira_transport::Result<()> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let r = to.send(batch, &[]);
+    batch.clear();
+    r
+}
+
+/// Why a guest's frame is refused.
+fn refuse(h: &Header) -> Option<String> {
+    match (h.kind, h.opcode) {
+        (Kind::Request, _) => None,
+        (Kind::Control, control::PING | control::SHM_GROW) => None,
+        (kind, op) => Some(format!(
+            "{kind:?} frame with opcode {op} not allowed from a guest"
+        )),
+    }
+}
+
+/// Forwards guest → server until the guest disconnects or misbehaves.
+fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Conn) {
+    let m = &t.m;
+    let mut batch: Vec<u8> = Vec::new();
+    let mut last_seq = 0u64;
+    let mut server_ok = true;
+    loop {
+        let frame = match reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(e) if e.is_peer_fault() => {
+                bad_frame(m, link, last_seq, &e.to_string(), r_end, &mut batch);
+                return;
+            }
+            Err(e) => {
+                debug!(tenant = m.id, conn = link.id, error = %e, "guest read failed");
+                break;
+            }
+        };
+        let h = match Header::parse(frame) {
+            Ok(h) => h,
+            Err(e) => {
+                bad_frame(m, link, last_seq, &e.to_string(), r_end, &mut batch);
+                return;
+            }
+        };
+        if let Some(reason) = refuse(&h) {
+            bad_frame(m, link, last_seq, &reason, r_end, &mut batch);
+            return;
+        }
+        m.bytes_in.fetch_add(u64::from(h.len), Relaxed);
+        m.bulk.fetch_add(h.bulk, Relaxed);
+        if h.kind == Kind::Request {
+            m.count_call(h.opcode);
+            if hira_opencl::op(h.opcode).is_some_and(|o| o.allocates) {
+                if let Some(n) = hira_opencl::alloc_request_bytes(h.opcode, &frame[HEADER_LEN..]) {
+                    m.alloc_requested.fetch_add(n, Relaxed);
+                }
+            }
+        }
+        let sync = h.flags & flags::ASYNC == 0;
+        if sync {
+            if !link.track(h.seq) {
+                m.failed.fetch_add(1, Relaxed);
+                let _ = link.send_guest(&failed_frame(h.seq, cl::CL_OUT_OF_RESOURCES));
+                continue;
+            }
+        } else if link.is_gone() {
+            m.dropped.fetch_add(1, Relaxed);
+            continue;
+        }
+        last_seq = h.seq;
+        let sent = if h.kind == Kind::Control && h.opcode == control::SHM_GROW {
+            let frame = frame.to_vec();
+            match reader.take_fd() {
+                Some(fd) => {
+                    flush(r_end, &mut batch).and_then(|()| r_end.send(&frame, &[fd.as_fd()]))
+                }
+                None => {
+                    bad_frame(
+                        m,
+                        link,
+                        last_seq,
+                        "SHM_GROW without an fd",
+                        r_end,
+                        &mut batch,
+                    );
+                    return;
+                }
+            }
+        } else if frame.len() >= DIRECT_MIN {
+            let r = if batch.is_empty() {
+                Ok(())
+            } else {
+                // The batch must go first; send it, then the large frame straight from
+                // the read buffer.
+                r_end.send(&batch, &[]).map(|()| batch.clear())
+            };
+            r.and_then(|()| r_end.send(frame, &[]))
+        } else {
+            batch.extend_from_slice(frame);
+            if reader.buffered() < HEADER_LEN || batch.len() >= BATCH_MAX {
+                flush(r_end, &mut batch)
+            } else {
+                Ok(())
+            }
+        };
+        if let Err(e) = sent {
+            batch.clear();
+            if server_ok {
+                server_ok = false;
+                debug!(tenant = m.id, conn = link.id, error = %e, "server socket closed");
+            }
+            link.fail_all(m);
+        }
+    }
+    let _ = flush(r_end, &mut batch);
+}
+
+fn bad_frame(
+    m: &TenantMetrics,
+    link: &Link,
+    last_seq: u64,
+    reason: &str,
+    r_end: &Conn,
+    batch: &mut Vec<u8>,
+) {
+    warn!(tenant = m.id, conn = link.id, %reason, "bad frame from guest; closing the connection");
+    m.bad_frames.fetch_add(1, Relaxed);
+    let _ = flush(r_end, batch);
+    let _ = link.send_guest(&failed_frame(last_seq, cl::CL_INVALID_VALUE));
+}
+
+/// Forwards server → guest until either side closes.
+fn server_to_guest(t: &Tenant, link: &Link, mut reader: FrameReader) {
+    let m = &t.m;
+    let mut batch: Vec<u8> = Vec::new();
+    loop {
+        // The server sends no fds to guests; drop any it did.
+        while reader.take_fd().is_some() {}
+        let frame = match reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(e) => {
+                if !link.closing.load(SeqCst) {
+                    warn!(tenant = m.id, conn = link.id, error = %e, "bad frame from API server");
+                }
+                break;
+            }
+        };
+        let Ok(h) = Header::parse(frame) else { break };
+        let forward = match h.kind {
+            Kind::Reply => {
+                m.device_ns.fetch_add(h.device_ns, Relaxed);
+                link.complete(h.seq)
+            }
+            Kind::Control => link.complete(h.seq),
+            Kind::Callback => !link.is_gone(),
+            Kind::Request => {
+                warn!(
+                    tenant = m.id,
+                    conn = link.id,
+                    "API server sent a request frame"
+                );
+                break;
+            }
+        };
+        if !forward {
+            continue;
+        }
+        m.bytes_out.fetch_add(u64::from(h.len), Relaxed);
+        let sent = if frame.len() >= DIRECT_MIN {
+            let guest = lock(&link.guest_tx);
+            flush(&guest, &mut batch).and_then(|()| guest.send(frame, &[]))
+        } else {
+            batch.extend_from_slice(frame);
+            if reader.buffered() < HEADER_LEN || batch.len() >= BATCH_MAX {
+                flush(&lock(&link.guest_tx), &mut batch)
+            } else {
+                Ok(())
+            }
+        };
+        if sent.is_err() {
+            break;
+        }
+    }
+    if !link.closing.load(SeqCst) {
+        if !t.dead.load(SeqCst) {
+            warn!(
+                tenant = m.id,
+                conn = link.id,
+                "API server closed the connection; failing its calls"
+            );
+        }
+        link.fail_all(m);
+    }
+}
+
+/// Reads the server's control socket: USAGE samples; EOF means the server is gone.
+fn control_loop(t: &Tenant, mut reader: FrameReader) {
+    loop {
+        while reader.take_fd().is_some() {}
+        let frame = match reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(e) => {
+                if !t.retiring.load(SeqCst) {
+                    warn!(tenant = t.m.id, error = %e, "bad frame on control socket");
+                }
+                break;
+            }
+        };
+        let Ok(h) = Header::parse(frame) else { break };
+        if h.kind == Kind::Control && h.opcode == control::USAGE {
+            let mut r = Reader::new(&frame[HEADER_LEN..]);
+            if let (Ok(dev), Ok(mem), Ok(obj)) = (r.u64(), r.u64(), r.u64()) {
+                t.m.usage_device_ns.store(dev, Relaxed);
+                t.m.mem_bytes.store(mem, Relaxed);
+                t.m.objects.store(obj, Relaxed);
+            }
+        } else {
+            debug!(tenant = t.m.id, kind = ?h.kind, opcode = h.opcode, "ignored control frame");
+        }
+    }
+    t.server_died("control socket closed");
+}
