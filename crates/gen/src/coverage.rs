@@ -43,13 +43,17 @@ pub fn table(spec: &Spec, headers: &[(String, Vec<Prototype>)]) -> String {
                 },
                 None => {
                     unsup += 1;
-                    "not in the spec: not exported; `clGetExtensionFunctionAddress` returns NULL".to_string()
+                    "not in the spec: not exported; `clGetExtensionFunctionAddress` returns NULL"
+                        .to_string()
                 }
             };
             let _ = writeln!(rows, "| `{}` | {file} | {status} |", p.name);
         }
     }
-    let _ = writeln!(s, "{total} functions: {fwd} forwarded or answered, {unsup} unsupported.\n");
+    let _ = writeln!(
+        s,
+        "{total} functions: {fwd} forwarded or answered, {unsup} unsupported.\n"
+    );
     let _ = writeln!(s, "| function | header | status |\n|---|---|---|");
     s.push_str(&rows);
     s

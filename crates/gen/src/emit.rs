@@ -18,8 +18,16 @@ fn rust_ty(spec: &Spec, t: &CType) -> String {
         }
         return spec.scalar(&t.base).map_or("u8".into(), |s| s.prim.clone());
     }
-    let inner = CType { base: t.base.clone(), ptrs: t.ptrs - 1, is_const: false };
-    let inner = if inner.ptrs == 0 && t.base == "void" { "c_void".to_string() } else { rust_ty(spec, &inner) };
+    let inner = CType {
+        base: t.base.clone(),
+        ptrs: t.ptrs - 1,
+        is_const: false,
+    };
+    let inner = if inner.ptrs == 0 && t.base == "void" {
+        "c_void".to_string()
+    } else {
+        rust_ty(spec, &inner)
+    };
     if t.is_const && t.ptrs == 1 {
         format!("*const {inner}")
     } else {
@@ -36,13 +44,21 @@ fn ret_ty(spec: &Spec, f: &Function) -> String {
 }
 
 fn signature(spec: &Spec, f: &Function) -> String {
-    let params: Vec<String> = f.params.iter().map(|p| format!("{}: {}", p.name, rust_ty(spec, &p.ty))).collect();
+    let params: Vec<String> = f
+        .params
+        .iter()
+        .map(|p| format!("{}: {}", p.name, rust_ty(spec, &p.ty)))
+        .collect();
     format!("({}){}", params.join(", "), ret_ty(spec, f))
 }
 
 fn fn_ptr_ty(spec: &Spec, f: &Function) -> String {
     let params: Vec<String> = f.params.iter().map(|p| rust_ty(spec, &p.ty)).collect();
-    format!("unsafe extern \"C\" fn({}){}", params.join(", "), ret_ty(spec, f))
+    format!(
+        "unsafe extern \"C\" fn({}){}",
+        params.join(", "),
+        ret_ty(spec, f)
+    )
 }
 
 fn kind_const(kind: &str) -> String {
@@ -51,8 +67,16 @@ fn kind_const(kind: &str) -> String {
 
 /// Element type of a pointer parameter, and its handle kind if it is a handle.
 fn elem<'a>(spec: &'a Spec, t: &CType) -> (String, Option<&'a str>) {
-    let base = CType { base: t.base.clone(), ptrs: t.ptrs.saturating_sub(1), is_const: false };
-    let h = if base.ptrs == 0 { spec.handle(&t.base).map(|h| h.kind.as_str()) } else { None };
+    let base = CType {
+        base: t.base.clone(),
+        ptrs: t.ptrs.saturating_sub(1),
+        is_const: false,
+    };
+    let h = if base.ptrs == 0 {
+        spec.handle(&t.base).map(|h| h.kind.as_str())
+    } else {
+        None
+    };
     (rust_ty(spec, &base), h)
 }
 
@@ -68,8 +92,16 @@ fn expr(spec: &Spec, f: &Function, e: &Expr, helper: &str) -> String {
                 v.clone()
             }
         }
-        Expr::Mul(a, b) => format!("{}.saturating_mul({})", expr(spec, f, a, helper), expr(spec, f, b, helper)),
-        Expr::Add(a, b) => format!("{}.saturating_add({})", expr(spec, f, a, helper), expr(spec, f, b, helper)),
+        Expr::Mul(a, b) => format!(
+            "{}.saturating_mul({})",
+            expr(spec, f, a, helper),
+            expr(spec, f, b, helper)
+        ),
+        Expr::Add(a, b) => format!(
+            "{}.saturating_add({})",
+            expr(spec, f, a, helper),
+            expr(spec, f, b, helper)
+        ),
         Expr::Call(name, args) => {
             let a: Vec<String> = args.iter().map(|a| expr(spec, f, a, helper)).collect();
             format!("{helper}{name}({})", a.join(", "))
@@ -100,15 +132,32 @@ fn forward_code(f: &Function) -> &'static str {
 pub fn common(spec: &Spec) -> String {
     let mut s = String::new();
     for (i, h) in spec.handles.iter().enumerate() {
-        let _ = writeln!(s, "/// Handle kind `{}`.\npub const {}: u8 = {};", h.ctype, kind_const(&h.kind), i + 1);
+        let _ = writeln!(
+            s,
+            "/// Handle kind `{}`.\npub const {}: u8 = {};",
+            h.ctype,
+            kind_const(&h.kind),
+            i + 1
+        );
     }
-    let _ = writeln!(s, "/// Error returned for a bad handle of each kind (index = kind).");
-    let _ = write!(s, "pub const INVALID_HANDLE: [i32; {}] = [0", spec.handles.len() + 1);
+    let _ = writeln!(
+        s,
+        "/// Error returned for a bad handle of each kind (index = kind)."
+    );
+    let _ = write!(
+        s,
+        "pub const INVALID_HANDLE: [i32; {}] = [0",
+        spec.handles.len() + 1
+    );
     for h in &spec.handles {
         let _ = write!(s, ", {}", h.invalid);
     }
     let _ = writeln!(s, "];\n/// Name of each handle kind (index = kind).");
-    let _ = write!(s, "pub const KIND_NAMES: [&str; {}] = [\"none\"", spec.handles.len() + 1);
+    let _ = write!(
+        s,
+        "pub const KIND_NAMES: [&str; {}] = [\"none\"",
+        spec.handles.len() + 1
+    );
     for h in &spec.handles {
         let _ = write!(s, ", \"{}\"", h.kind);
     }
@@ -116,7 +165,11 @@ pub fn common(spec: &Spec) -> String {
     for f in &spec.functions {
         let _ = writeln!(s, "pub const {}: u16 = {};", op_const(f), f.opcode);
     }
-    let _ = writeln!(s, "/// Every function of the spec, indexed by opcode - 1.\npub static OPS: [OpInfo; {}] = [", spec.functions.len());
+    let _ = writeln!(
+        s,
+        "/// Every function of the spec, indexed by opcode - 1.\npub static OPS: [OpInfo; {}] = [",
+        spec.functions.len()
+    );
     for f in &spec.functions {
         let creates = f.creates.as_deref().map_or("0".to_string(), kind_const);
         let unsupported = match &f.forward {
@@ -140,8 +193,15 @@ pub fn common(spec: &Spec) -> String {
     }
     let _ = writeln!(s, "];");
     // Info translations.
-    let _ = writeln!(s, "/// Info results that need translating: (opcode, param value, mode, handle kind).");
-    let _ = writeln!(s, "pub static INFOS: [(u16, u32, InfoMode, u8); {}] = [", spec.infos.len());
+    let _ = writeln!(
+        s,
+        "/// Info results that need translating: (opcode, param value, mode, handle kind)."
+    );
+    let _ = writeln!(
+        s,
+        "pub static INFOS: [(u16, u32, InfoMode, u8); {}] = [",
+        spec.infos.len()
+    );
     for i in &spec.infos {
         let f = spec.function(&i.function).expect("checked by the parser");
         let mode = match i.mode {
@@ -150,15 +210,25 @@ pub fn common(spec: &Spec) -> String {
             InfoMode::Properties => "InfoMode::Properties",
             InfoMode::Guest => "InfoMode::Guest",
         };
-        let kind = spec.handle(&i.ctype).map_or("0".to_string(), |h| kind_const(&h.kind));
-        let _ = writeln!(s, "    ({}, {:#x}, {mode}, {kind}), // {}", op_const(f), i.value, i.name);
+        let kind = spec
+            .handle(&i.ctype)
+            .map_or("0".to_string(), |h| kind_const(&h.kind));
+        let _ = writeln!(
+            s,
+            "    ({}, {:#x}, {mode}, {kind}), // {}",
+            op_const(f),
+            i.value,
+            i.name
+        );
     }
     let _ = writeln!(s, "];");
     // Router accounting hook: bytes an allocating call asks for, read from its request payload.
     let _ = writeln!(s, "/// Device-memory bytes an allocating request asks for (the spec's `allocates`),\n/// decoded from its payload; None for other opcodes or when it cannot be read.");
     let _ = writeln!(s, "pub fn alloc_request_bytes(opcode: u16, payload: &[u8]) -> Option<u64> {{\n    let mut r = hira_wire::Reader::new(payload);\n    match opcode {{");
     for f in &spec.functions {
-        let Some(Expr::Var(v)) = &f.allocates else { continue };
+        let Some(Expr::Var(v)) = &f.allocates else {
+            continue;
+        };
         if !f.is_forwarded() {
             continue;
         }
@@ -178,11 +248,15 @@ pub fn common(spec: &Spec) -> String {
 /// Code that skips one parameter's encoding in a request payload (router side).
 fn skip_param(spec: &Spec, p: &hira_spec::Param) -> String {
     match &p.kind {
-        ParamKind::Value if spec.handle(&p.ty.base).is_some() || p.ty.ptrs == 0 => "r.u64().ok()?;".into(),
+        ParamKind::Value if spec.handle(&p.ty.base).is_some() || p.ty.ptrs == 0 => {
+            "r.u64().ok()?;".into()
+        }
         ParamKind::Errcode | ParamKind::UserData => String::new(),
         ParamKind::Callback { .. } => "r.u64().ok()?;".into(),
         ParamKind::OutElement if elem(spec, &p.ty).1.is_some() => "r.u64().ok()?;".into(),
-        ParamKind::OutElement | ParamKind::OutArray(_) | ParamKind::OutBuffer { .. } => "r.out_spec().ok()?;".into(),
+        ParamKind::OutElement | ParamKind::OutArray(_) | ParamKind::OutBuffer { .. } => {
+            "r.out_spec().ok()?;".into()
+        }
         ParamKind::KernelArg(_) => "return None;".into(),
         ParamKind::Strings { .. } => "return None;".into(),
         _ => "r.blob().ok()?;".into(),
@@ -251,7 +325,11 @@ fn guest_encode(spec: &Spec, f: &Function, out: &mut String) {
 }
 
 fn guest_decode(spec: &Spec, f: &Function, out: &mut String) {
-    let param_name = f.params.iter().find(|p| p.name == "param_name").map(|p| p.name.clone());
+    let param_name = f
+        .params
+        .iter()
+        .find(|p| p.name == "param_name")
+        .map(|p| p.name.clone());
     for p in &f.params {
         let n = &p.name;
         let line = match &p.kind {
@@ -284,7 +362,12 @@ fn errcode_param(f: &Function) -> Option<&str> {
 fn guest_stub(spec: &Spec, f: &Function) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "/// `{}`: {:?} (generated from the spec).\n///\n/// # Safety\n/// The caller passes arguments valid for the OpenCL C API.", f.name, f.forward);
-    let _ = writeln!(s, "pub unsafe extern \"C\" fn {}{} {{", f.name, signature(spec, f));
+    let _ = writeln!(
+        s,
+        "pub unsafe extern \"C\" fn {}{} {{",
+        f.name,
+        signature(spec, f)
+    );
     if let Forward::Unsupported(e) = &f.forward {
         let errcode = errcode_param(f);
         let _ = writeln!(s, "    rt::unsupported(\"{}\");", f.name);
@@ -323,9 +406,16 @@ fn guest_stub(spec: &Spec, f: &Function) -> String {
         _ => {}
     }
     if !matches!(f.forward, Forward::Async) {
-        let _ = writeln!(s, "        #[allow(unreachable_code)]\n        let mut r = c.sync()?;");
+        let _ = writeln!(
+            s,
+            "        #[allow(unreachable_code)]\n        let mut r = c.sync()?;"
+        );
         if creates_ret {
-            let kind = kind_const(f.creates.as_deref().expect("a creating function names its kind"));
+            let kind = kind_const(
+                f.creates
+                    .as_deref()
+                    .expect("a creating function names its kind"),
+            );
             let _ = writeln!(s, "        let err = r.i32()?;\n        let id = r.u64()?;");
             let mut dec = String::new();
             guest_decode(spec, f, &mut dec);
@@ -348,7 +438,10 @@ pub fn guest(spec: &Spec) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "#[allow(non_snake_case, unused_mut, unused_unsafe, unused_variables, unused_parens, unreachable_code, clippy::all, clippy::undocumented_unsafe_blocks)]\npub mod stubs {{\nuse super::*;");
     for f in &spec.functions {
-        if f.custom == Custom::Both || matches!(f.forward, Forward::GuestOnly) || f.name.starts_with("hira") {
+        if f.custom == Custom::Both
+            || matches!(f.forward, Forward::GuestOnly)
+            || f.name.starts_with("hira")
+        {
             continue;
         }
         s.push_str(&guest_stub(spec, f));
@@ -366,7 +459,10 @@ pub fn guest(spec: &Spec) -> String {
             format!("stubs::{name}")
         }
     };
-    let _ = writeln!(s, "/// The ICD dispatch table, in `cl_icd.h` order.\n#[repr(C)]\npub struct IcdDispatch {{");
+    let _ = writeln!(
+        s,
+        "/// The ICD dispatch table, in `cl_icd.h` order.\n#[repr(C)]\npub struct IcdDispatch {{"
+    );
     for name in &spec.dispatch {
         let f = spec.function(name).expect("checked by the parser");
         let _ = writeln!(s, "    pub {name}: {},", fn_ptr_ty(spec, f));
@@ -378,7 +474,11 @@ pub fn guest(spec: &Spec) -> String {
     let _ = writeln!(s, "}};");
     let _ = writeln!(s, "/// Address of an API function by name (for clGetExtensionFunctionAddress).\npub fn function_address(name: &str) -> Option<*mut c_void> {{\n    Some(match name {{");
     for name in &spec.dispatch {
-        let _ = writeln!(s, "        \"{name}\" => {} as *mut c_void,", where_is(name));
+        let _ = writeln!(
+            s,
+            "        \"{name}\" => {} as *mut c_void,",
+            where_is(name)
+        );
     }
     let _ = writeln!(s, "        _ => return None,\n    }})\n}}");
     s
@@ -394,8 +494,15 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
     let mut post = String::new(); // after the call
     let mut emit = String::new(); // reply outputs
     let mut args = Vec::new();
-    let param_name = f.params.iter().find(|p| p.name == "param_name").map(|p| p.name.clone());
-    let event_param = f.params.iter().find(|p| p.kind == ParamKind::OutElement && elem(spec, &p.ty).1 == Some("event"));
+    let param_name = f
+        .params
+        .iter()
+        .find(|p| p.name == "param_name")
+        .map(|p| p.name.clone());
+    let event_param = f
+        .params
+        .iter()
+        .find(|p| p.kind == ParamKind::OutElement && elem(spec, &p.ty).1 == Some("event"));
     for p in &f.params {
         let n = &p.name;
         let (ety, ekind) = elem(spec, &p.ty);
@@ -404,7 +511,11 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
             ParamKind::Value => match spec.handle(&p.ty.base) {
                 Some(h) => {
                     let _ = writeln!(p1, "    let {n}_id = r.u64()?;");
-                    let _ = writeln!(p2, "    let {n} = cx.handle({n}_id, {})?;", kind_const(&h.kind));
+                    let _ = writeln!(
+                        p2,
+                        "    let {n} = cx.handle({n}_id, {})?;",
+                        kind_const(&h.kind)
+                    );
                     args.push(n.clone());
                 }
                 None => {
@@ -422,10 +533,19 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
                 let _ = writeln!(p1, "    let {n}_b = r.blob()?;");
                 match ekind {
                     Some(k) => {
-                        let _ = writeln!(p2, "    let {n}_v = cx.in_handles({n}_b, {}, {})?;", ex(e), kind_const(k));
+                        let _ = writeln!(
+                            p2,
+                            "    let {n}_v = cx.in_handles({n}_b, {}, {})?;",
+                            ex(e),
+                            kind_const(k)
+                        );
                     }
                     None => {
-                        let _ = writeln!(p2, "    let {n}_v = cx.in_array::<{ety}>({n}_b, {})?;", ex(e));
+                        let _ = writeln!(
+                            p2,
+                            "    let {n}_v = cx.in_array::<{ety}>({n}_b, {})?;",
+                            ex(e)
+                        );
                     }
                 }
                 let _ = writeln!(p2, "    let {n} = {n}_v.ptr();");
@@ -436,7 +556,11 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
                 match &f.forward {
                     // A non-blocking write reads host memory after the call returns: stage it.
                     Forward::AsyncUnless(b) => {
-                        let _ = writeln!(p2, "    let {n}_v = cx.in_bytes_staged({n}_b, {}, {b} == 0)?;", ex(e));
+                        let _ = writeln!(
+                            p2,
+                            "    let {n}_v = cx.in_bytes_staged({n}_b, {}, {b} == 0)?;",
+                            ex(e)
+                        );
                     }
                     _ => {
                         let _ = writeln!(p2, "    let {n}_v = cx.in_bytes({n}_b, {})?;", ex(e));
@@ -447,8 +571,15 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
             }
             ParamKind::HostBuffer { flags, len } => {
                 let _ = writeln!(p1, "    let {n}_b = r.blob()?;");
-                let _ = writeln!(p2, "    let {n}_v = cx.in_host_buffer({n}_b, {flags} as u64, {})?;", ex(len));
-                let _ = writeln!(p2, "    let {flags} = Ctx::host_ptr_flags({flags} as u64) as _;");
+                let _ = writeln!(
+                    p2,
+                    "    let {n}_v = cx.in_host_buffer({n}_b, {flags} as u64, {})?;",
+                    ex(len)
+                );
+                let _ = writeln!(
+                    p2,
+                    "    let {flags} = Ctx::host_ptr_flags({flags} as u64) as _;"
+                );
                 args.push(format!("{n}_v.ptr() as _"));
             }
             ParamKind::String => {
@@ -483,30 +614,47 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
             }
             ParamKind::Callback { kind, user_data } => {
                 let _ = writeln!(p1, "    let {n}_id = r.u64()?;");
-                let _ = writeln!(p2, "    let ({n}, {user_data}) = cx.callback({}, {n}_id);", cb_kind(*kind));
+                let _ = writeln!(
+                    p2,
+                    "    let ({n}, {user_data}) = cx.callback({}, {n}_id);",
+                    cb_kind(*kind)
+                );
                 args.push(format!("{n} as _"));
             }
             ParamKind::UserData => args.push(format!("{n} as _")),
             ParamKind::OutElement if ekind.is_some() => {
                 let k = kind_const(ekind.expect("checked"));
                 let _ = writeln!(p1, "    let {n}_id = r.u64()?;");
-                let _ = writeln!(p2, "    let mut {n}_new: *mut c_void = std::ptr::null_mut();");
+                let _ = writeln!(
+                    p2,
+                    "    let mut {n}_new: *mut c_void = std::ptr::null_mut();"
+                );
                 if f.device_time || matches!(f.forward, Forward::AsyncUnless(_)) {
-                    let _ = writeln!(p2, "    let mut {n}_dt: *mut c_void = std::ptr::null_mut();");
-                    args.push(format!("if {n}_id != 0 {{ &mut {n}_new }} else {{ &mut {n}_dt }}"));
+                    let _ = writeln!(
+                        p2,
+                        "    let mut {n}_dt: *mut c_void = std::ptr::null_mut();"
+                    );
+                    args.push(format!(
+                        "if {n}_id != 0 {{ &mut {n}_new }} else {{ &mut {n}_dt }}"
+                    ));
                     let _ = writeln!(
                         post,
                         "    cx.track_event(ret, if {n}_id != 0 {{ {n}_new }} else {{ {n}_dt }}, {n}_id == 0, {});",
                         f.device_time
                     );
                 } else {
-                    args.push(format!("if {n}_id != 0 {{ &mut {n}_new }} else {{ std::ptr::null_mut() }}"));
+                    args.push(format!(
+                        "if {n}_id != 0 {{ &mut {n}_new }} else {{ std::ptr::null_mut() }}"
+                    ));
                 }
                 let _ = writeln!(post, "    if {n}_id != 0 && !{n}_new.is_null() {{ cx.bind({n}_id, {n}_new, {k})?; }}");
             }
             ParamKind::OutElement => {
                 let _ = writeln!(p1, "    let {n}_o = r.out_spec()?;");
-                let _ = writeln!(p2, "    let mut {n}_v = cx.out({n}_o, std::mem::size_of::<{ety}>() as u64)?;");
+                let _ = writeln!(
+                    p2,
+                    "    let mut {n}_v = cx.out({n}_o, std::mem::size_of::<{ety}>() as u64)?;"
+                );
                 args.push(format!("{n}_v.ptr() as _"));
                 let _ = writeln!(emit, "    {n}_v.emit(&mut w);");
             }
@@ -519,14 +667,26 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
                 );
                 args.push(format!("{n}_v.ptr() as _"));
                 if let Some(k) = ekind {
-                    let _ = writeln!(post, "    cx.out_handles_to_ids(&mut {n}_v, {}, ret)?;", kind_const(k));
+                    let _ = writeln!(
+                        post,
+                        "    cx.out_handles_to_ids(&mut {n}_v, {}, ret)?;",
+                        kind_const(k)
+                    );
                 }
                 let _ = writeln!(emit, "    {n}_v.emit(&mut w);");
             }
             ParamKind::OutBuffer { len, info } => {
                 let _ = writeln!(p1, "    let {n}_o = r.out_spec()?;");
                 let _ = writeln!(p2, "    let mut {n}_v = cx.out({n}_o, {})?;", ex(len));
-                args.push(format!("{n}_v.ptr() as _"));
+                if *info {
+                    args.push(format!(
+                        "cx.info_ptr({}, {} as u32, &mut {n}_v) as _",
+                        op_const(f),
+                        param_name.as_deref().unwrap_or("0")
+                    ));
+                } else {
+                    args.push(format!("{n}_v.ptr() as _"));
+                }
                 if *info {
                     let _ = writeln!(
                         post,
@@ -542,21 +702,37 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
     if f.device_time && event_param.is_none() {
         panic!("{}: device_time needs an event out parameter", f.name);
     }
-    let _ = writeln!(s, "/// Server half of `{}` (generated from the spec).", f.name);
-    let _ = writeln!(s, "pub fn h_{}(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {{", f.name);
+    let _ = writeln!(
+        s,
+        "/// Server half of `{}` (generated from the spec).",
+        f.name
+    );
+    let _ = writeln!(
+        s,
+        "pub fn h_{}(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {{",
+        f.name
+    );
     s.push_str(&p1);
     let _ = writeln!(s, "    r.finish()?;");
     s.push_str(&p2);
     if let Some(b) = &f.force_blocking {
         let _ = writeln!(s, "    let {b}: u32 = 1;");
     }
-    let _ = writeln!(s, "    let f = cx.api.{}.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;", f.name);
+    let _ = writeln!(
+        s,
+        "    let f = cx.api.{}.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;",
+        f.name
+    );
     let _ = writeln!(s, "    // SAFETY: every pointer argument was built above from validated wire data with the\n    // length the spec gives, or is null; handles come from this tenant's table.");
     let creates_ret = f.returns_handle(spec);
     let _ = writeln!(s, "    let ret = unsafe {{ f({}) }};", args.join(", "));
     let mut w = String::from("    let mut w = Writer::default();\n");
     if creates_ret {
-        let kind = kind_const(f.creates.as_deref().expect("a creating function names its kind"));
+        let kind = kind_const(
+            f.creates
+                .as_deref()
+                .expect("a creating function names its kind"),
+        );
         let ec = errcode_param(f).expect("a creating function has errcode_ret");
         let _ = writeln!(s, "    let id = cx.register(ret, {kind});");
         let _ = writeln!(w, "    w.i32({ec}_v);\n    w.u64(id);");
@@ -566,10 +742,18 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
     }
     s.push_str(&post);
     if f.retains {
-        let _ = writeln!(s, "    if ret == 0 {{ cx.retained({}_id); }}", f.params[0].name);
+        let _ = writeln!(
+            s,
+            "    if ret == 0 {{ cx.retained({}_id); }}",
+            f.params[0].name
+        );
     }
     if f.releases {
-        let _ = writeln!(s, "    if ret == 0 {{ cx.released({}_id); }}", f.params[0].name);
+        let _ = writeln!(
+            s,
+            "    if ret == 0 {{ cx.released({}_id); }}",
+            f.params[0].name
+        );
     }
     s.push_str(&w);
     s.push_str(&emit);
@@ -581,11 +765,19 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
 pub fn server(spec: &Spec) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "/// The vendor's OpenCL entry points, resolved at run time; a missing one is None.\n#[allow(non_snake_case)]\npub struct Api {{");
-    for f in spec.functions.iter().filter(|f| !f.name.starts_with("hira")) {
+    for f in spec
+        .functions
+        .iter()
+        .filter(|f| !f.name.starts_with("hira"))
+    {
         let _ = writeln!(s, "    pub {}: Option<{}>,", f.name, fn_ptr_ty(spec, f));
     }
     let _ = writeln!(s, "}}\nimpl Api {{\n    /// Resolve every entry point of the spec in `lib`.\n    pub fn load(lib: &libloading::Library) -> Api {{\n        Api {{");
-    for f in spec.functions.iter().filter(|f| !f.name.starts_with("hira")) {
+    for f in spec
+        .functions
+        .iter()
+        .filter(|f| !f.name.starts_with("hira"))
+    {
         let _ = writeln!(
             s,
             "            // SAFETY: the symbol's type is the spec's prototype of this function.\n            {0}: unsafe {{ lib.get::<{1}>(b\"{0}\\0\").ok().map(|s| *s) }},",
@@ -607,9 +799,16 @@ pub fn server(spec: &Spec) -> String {
         if !f.is_forwarded() {
             continue;
         }
-        let target = if f.custom == Custom::None { format!("handlers::h_{}", f.name) } else { format!("custom::h_{}", f.name) };
+        let target = if f.custom == Custom::None {
+            format!("handlers::h_{}", f.name)
+        } else {
+            format!("custom::h_{}", f.name)
+        };
         let _ = writeln!(s, "        {} => {target}(cx, r),", op_const(f));
     }
-    let _ = writeln!(s, "        _ => Err(Fail::Cl(CL_INVALID_OPERATION)),\n    }}\n}}");
+    let _ = writeln!(
+        s,
+        "        _ => Err(Fail::Cl(CL_INVALID_OPERATION)),\n    }}\n}}"
+    );
     s
 }

@@ -22,6 +22,9 @@ pub fn load(path: &std::path::Path) -> anyhow::Result<Spec> {
 /// Write `code` to `OUT_DIR/name` with the generated-code header.
 pub fn write_out(name: &str, code: &str) -> anyhow::Result<()> {
     let dir = std::env::var("OUT_DIR")?;
-    std::fs::write(std::path::Path::new(&dir).join(name), format!("{HEADER}{code}"))?;
+    std::fs::write(
+        std::path::Path::new(&dir).join(name),
+        format!("{HEADER}{code}"),
+    )?;
     Ok(())
 }

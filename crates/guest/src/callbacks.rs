@@ -11,6 +11,7 @@ use std::sync::{Mutex, OnceLock};
 
 /// Which C signature a callback has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(clippy::enum_variant_names)] // the names of the spec's callback kinds
 pub enum CallbackKind {
     ContextNotify,
     ProgramNotify,
@@ -35,18 +36,27 @@ static NEXT: AtomicU64 = AtomicU64::new(1);
 pub fn register(kind: CallbackKind, pfn: *mut c_void, user_data: *mut c_void) -> u64 {
     start_listener();
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    registry()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(id, Registration { kind, pfn: pfn as usize, user_data: user_data as usize });
+    registry().lock().unwrap_or_else(|e| e.into_inner()).insert(
+        id,
+        Registration {
+            kind,
+            pfn: pfn as usize,
+            user_data: user_data as usize,
+        },
+    );
     id
 }
 
 fn start_listener() {
     static STARTED: OnceLock<bool> = OnceLock::new();
     STARTED.get_or_init(|| {
-        let Ok(conn) = Connection::open(control::ROLE_CALLBACKS) else { return false };
-        std::thread::Builder::new().name("hira-callbacks".into()).spawn(move || listen(conn)).is_ok()
+        let Ok(conn) = Connection::open(control::ROLE_CALLBACKS) else {
+            return false;
+        };
+        std::thread::Builder::new()
+            .name("hira-callbacks".into())
+            .spawn(move || listen(conn))
+            .is_ok()
     });
 }
 
@@ -59,7 +69,9 @@ fn listen(mut conn: Connection) {
             let kind = map.get(&id).map(|r| r.kind);
             match kind {
                 // Context notifications may come many times; the others once.
-                Some(CallbackKind::ContextNotify) => map.get(&id).map(|r| (r.kind, r.pfn, r.user_data)),
+                Some(CallbackKind::ContextNotify) => {
+                    map.get(&id).map(|r| (r.kind, r.pfn, r.user_data))
+                }
                 Some(_) => map.remove(&id).map(|r| (r.kind, r.pfn, r.user_data)),
                 None => None,
             }
@@ -68,21 +80,28 @@ fn listen(mut conn: Connection) {
         let ud = ud as *mut c_void;
         match kind {
             CallbackKind::EventNotify => {
-                let (Ok(ev), Ok(status)) = (r.u64(), r.i32()) else { continue };
+                let (Ok(ev), Ok(status)) = (r.u64(), r.i32()) else {
+                    continue;
+                };
                 // SAFETY: the application registered this function with this signature.
-                let f: extern "C" fn(*mut c_void, i32, *mut c_void) = unsafe { std::mem::transmute(pfn) };
+                let f: extern "C" fn(*mut c_void, i32, *mut c_void) =
+                    unsafe { std::mem::transmute(pfn) };
                 f(rt::shell(ev, K_EVENT), status, ud);
             }
             CallbackKind::ProgramNotify => {
                 let Ok(prog) = r.u64() else { continue };
                 // SAFETY: as above.
-                let f: extern "C" fn(*mut c_void, *mut c_void) = unsafe { std::mem::transmute(pfn) };
+                let f: extern "C" fn(*mut c_void, *mut c_void) =
+                    unsafe { std::mem::transmute(pfn) };
                 f(rt::shell(prog, K_PROGRAM), ud);
             }
             CallbackKind::ObjectNotify => {
-                let (Ok(obj), Ok(kind)) = (r.u64(), r.u8()) else { continue };
+                let (Ok(obj), Ok(kind)) = (r.u64(), r.u8()) else {
+                    continue;
+                };
                 // SAFETY: as above.
-                let f: extern "C" fn(*mut c_void, *mut c_void) = unsafe { std::mem::transmute(pfn) };
+                let f: extern "C" fn(*mut c_void, *mut c_void) =
+                    unsafe { std::mem::transmute(pfn) };
                 f(rt::shell(obj, kind), ud);
             }
             CallbackKind::ContextNotify => {
@@ -90,7 +109,8 @@ fn listen(mut conn: Connection) {
                 let mut msg = info.to_vec();
                 msg.push(0);
                 // SAFETY: as above.
-                let f: extern "C" fn(*const c_char, *const c_void, usize, *mut c_void) = unsafe { std::mem::transmute(pfn) };
+                let f: extern "C" fn(*const c_char, *const c_void, usize, *mut c_void) =
+                    unsafe { std::mem::transmute(pfn) };
                 f(msg.as_ptr() as *const c_char, std::ptr::null(), 0, ud);
             }
         }

@@ -15,7 +15,11 @@ const CL_PLATFORM_NOT_FOUND_KHR: i32 = -1001;
 /// # Safety
 /// Standard `clIcdGetPlatformIDsKHR` contract.
 #[no_mangle]
-pub unsafe extern "C" fn clIcdGetPlatformIDsKHR(num_entries: u32, platforms: *mut *mut c_void, num_platforms: *mut u32) -> i32 {
+pub unsafe extern "C" fn clIcdGetPlatformIDsKHR(
+    num_entries: u32,
+    platforms: *mut *mut c_void,
+    num_platforms: *mut u32,
+) -> i32 {
     if !rt::available() {
         if !num_platforms.is_null() {
             // SAFETY: caller-provided output.
@@ -53,7 +57,10 @@ pub unsafe extern "C" fn clGetExtensionFunctionAddress(func_name: *const c_char)
 
 /// # Safety
 /// Standard contract; `func_name` is NUL-terminated.
-pub unsafe extern "C" fn clGetExtensionFunctionAddressForPlatform(_platform: *mut c_void, func_name: *const c_char) -> *mut c_void {
+pub unsafe extern "C" fn clGetExtensionFunctionAddressForPlatform(
+    _platform: *mut c_void,
+    func_name: *const c_char,
+) -> *mut c_void {
     lookup(func_name)
 }
 
@@ -81,7 +88,11 @@ fn mappings() -> &'static Mutex<HashMap<usize, Mapping>> {
     M.get_or_init(Default::default)
 }
 
-fn host_memory(mem: *mut c_void, offset: usize, size: usize) -> Result<(*mut u8, Option<std::alloc::Layout>), i32> {
+fn host_memory(
+    mem: *mut c_void,
+    offset: usize,
+    size: usize,
+) -> Result<(*mut u8, Option<std::alloc::Layout>), i32> {
     if let Some(s) = shell_ref(mem) {
         let hp = s.host_ptr.load(std::sync::atomic::Ordering::Relaxed);
         if !hp.is_null() {
@@ -90,7 +101,8 @@ fn host_memory(mem: *mut c_void, offset: usize, size: usize) -> Result<(*mut u8,
             return Ok(((hp as *mut u8).wrapping_add(offset), None));
         }
     }
-    let layout = std::alloc::Layout::from_size_align(size.max(1), 4096).map_err(|_| CL_INVALID_VALUE)?;
+    let layout =
+        std::alloc::Layout::from_size_align(size.max(1), 4096).map_err(|_| CL_INVALID_VALUE)?;
     // SAFETY: layout has non-zero size.
     let p = unsafe { std::alloc::alloc_zeroed(layout) };
     if p.is_null() {
@@ -132,7 +144,19 @@ pub unsafe extern "C" fn clEnqueueMapBuffer(
         unsafe { stubs::clEnqueueMarkerWithWaitList(queue, nwait, wait, event) }
     } else {
         // SAFETY: p has size writable bytes.
-        unsafe { stubs::clEnqueueReadBuffer(queue, buffer, CL_TRUE, offset, size, p as *mut c_void, nwait, wait, event) }
+        unsafe {
+            stubs::clEnqueueReadBuffer(
+                queue,
+                buffer,
+                CL_TRUE,
+                offset,
+                size,
+                p as *mut c_void,
+                nwait,
+                wait,
+                event,
+            )
+        }
     };
     if ret != CL_SUCCESS {
         if let Some(l) = owned {
@@ -142,10 +166,17 @@ pub unsafe extern "C" fn clEnqueueMapBuffer(
         set_err(errcode_ret, ret);
         return std::ptr::null_mut();
     }
-    mappings()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(p as usize, Mapping { mem: buffer as usize, offset, size, flags, image: None, owned });
+    mappings().lock().unwrap_or_else(|e| e.into_inner()).insert(
+        p as usize,
+        Mapping {
+            mem: buffer as usize,
+            offset,
+            size,
+            flags,
+            image: None,
+            owned,
+        },
+    );
     set_err(errcode_ret, CL_SUCCESS);
     p as *mut c_void
 }
@@ -153,7 +184,15 @@ pub unsafe extern "C" fn clEnqueueMapBuffer(
 fn image_size_info(image: *mut c_void, param: u32) -> usize {
     let mut v: usize = 0;
     // SAFETY: 8-byte output.
-    unsafe { stubs::clGetImageInfo(image, param, 8, &mut v as *mut usize as *mut c_void, std::ptr::null_mut()) };
+    unsafe {
+        stubs::clGetImageInfo(
+            image,
+            param,
+            8,
+            &mut v as *mut usize as *mut c_void,
+            std::ptr::null_mut(),
+        )
+    };
     v
 }
 
@@ -178,7 +217,12 @@ pub unsafe extern "C" fn clEnqueueMapImage(
         return std::ptr::null_mut();
     }
     // SAFETY: 3-element arrays by contract.
-    let (o, r) = unsafe { ([*origin, *origin.add(1), *origin.add(2)], [*region, *region.add(1), *region.add(2)]) };
+    let (o, r) = unsafe {
+        (
+            [*origin, *origin.add(1), *origin.add(2)],
+            [*region, *region.add(1), *region.add(2)],
+        )
+    };
     let elem = image_size_info(image, CL_IMAGE_ELEMENT_SIZE);
     let row = r[0] * elem;
     let slice = row * r[1].max(1);
@@ -195,7 +239,21 @@ pub unsafe extern "C" fn clEnqueueMapImage(
         unsafe { stubs::clEnqueueMarkerWithWaitList(queue, nwait, wait, event) }
     } else {
         // SAFETY: p has size writable bytes laid out with these pitches.
-        unsafe { stubs::clEnqueueReadImage(queue, image, CL_TRUE, origin, region, row, slice, p as *mut c_void, nwait, wait, event) }
+        unsafe {
+            stubs::clEnqueueReadImage(
+                queue,
+                image,
+                CL_TRUE,
+                origin,
+                region,
+                row,
+                slice,
+                p as *mut c_void,
+                nwait,
+                wait,
+                event,
+            )
+        }
     };
     if ret != CL_SUCCESS {
         if let Some(l) = owned {
@@ -214,7 +272,14 @@ pub unsafe extern "C" fn clEnqueueMapImage(
     }
     mappings().lock().unwrap_or_else(|e| e.into_inner()).insert(
         p as usize,
-        Mapping { mem: image as usize, offset: 0, size, flags, image: Some((o, r, row, slice)), owned },
+        Mapping {
+            mem: image as usize,
+            offset: 0,
+            size,
+            flags,
+            image: Some((o, r, row, slice)),
+            owned,
+        },
     );
     set_err(errcode_ret, CL_SUCCESS);
     p as *mut c_void
@@ -242,11 +307,25 @@ pub unsafe extern "C" fn clEnqueueUnmapMemObject(
     let ret = match (writes, m.image) {
         // SAFETY: forwarded arguments; the mapping's memory is still ours.
         (true, None) => unsafe {
-            stubs::clEnqueueWriteBuffer(queue, memobj, CL_TRUE, m.offset, m.size, mapped_ptr, nwait, wait, event)
+            stubs::clEnqueueWriteBuffer(
+                queue, memobj, CL_TRUE, m.offset, m.size, mapped_ptr, nwait, wait, event,
+            )
         },
         // SAFETY: as above.
         (true, Some((o, r, row, slice))) => unsafe {
-            stubs::clEnqueueWriteImage(queue, memobj, CL_TRUE, o.as_ptr(), r.as_ptr(), row, slice, mapped_ptr, nwait, wait, event)
+            stubs::clEnqueueWriteImage(
+                queue,
+                memobj,
+                CL_TRUE,
+                o.as_ptr(),
+                r.as_ptr(),
+                row,
+                slice,
+                mapped_ptr,
+                nwait,
+                wait,
+                event,
+            )
         },
         // SAFETY: as above.
         (false, _) => unsafe { stubs::clEnqueueMarkerWithWaitList(queue, nwait, wait, event) },
@@ -264,7 +343,13 @@ pub fn program_binaries(program: *mut c_void, out: *mut u8, saved: &[u8]) {
     let mut sizes = vec![0usize; n];
     // SAFETY: n size_t outputs.
     let ret = unsafe {
-        stubs::clGetProgramInfo(program, CL_PROGRAM_BINARY_SIZES, n * 8, sizes.as_mut_ptr() as *mut c_void, std::ptr::null_mut())
+        stubs::clGetProgramInfo(
+            program,
+            CL_PROGRAM_BINARY_SIZES,
+            n * 8,
+            sizes.as_mut_ptr() as *mut c_void,
+            std::ptr::null_mut(),
+        )
     };
     for i in 0..n {
         let mut p = [0u8; 8];

@@ -7,7 +7,7 @@
 
 mod callbacks;
 mod custom;
-pub mod rt;
+mod rt;
 
 use std::ffi::{c_char, c_void};
 

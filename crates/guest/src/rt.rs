@@ -3,9 +3,11 @@
 //! shells (the pointers the application holds), and info-result translation.
 
 use hira_opencl::cl::*;
-use hira_opencl::{InfoMode, INVALID_HANDLE, K_MEM, K_PLATFORM};
+use hira_opencl::{InfoMode, K_MEM, K_PLATFORM};
 use hira_transport::{Conn, FrameReader, ShmRegion};
-use hira_wire::{control, flags, Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME};
+use hira_wire::{
+    control, flags, Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME,
+};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -34,9 +36,17 @@ pub struct Shell {
     pub host_ptr: std::sync::atomic::AtomicPtr<c_void>,
 }
 
-fn shells() -> &'static Mutex<HashMap<u64, usize>> {
-    static S: OnceLock<Mutex<HashMap<u64, usize>>> = OnceLock::new();
+#[derive(Default)]
+struct Shells {
+    by_id: HashMap<u64, usize>,
+    by_addr: HashMap<usize, u64>,
+}
+
+fn shells() -> std::sync::MutexGuard<'static, Shells> {
+    static S: OnceLock<Mutex<Shells>> = OnceLock::new();
     S.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
 }
 
 /// The shell for server object `id` of `kind` (the same pointer every time), or null for 0.
@@ -44,29 +54,30 @@ pub fn shell(id: u64, kind: u8) -> *mut c_void {
     if id == 0 {
         return std::ptr::null_mut();
     }
-    let mut map = shells().lock().unwrap_or_else(|e| e.into_inner());
-    let p = *map.entry(id).or_insert_with(|| {
-        let b = Box::new(Shell {
-            dispatch: &crate::DISPATCH,
-            id,
-            kind,
-            host_ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
-        });
-        Box::into_raw(b) as usize
+    let mut s = shells();
+    if let Some(&p) = s.by_id.get(&id) {
+        return p as *mut c_void;
+    }
+    let b = Box::new(Shell {
+        dispatch: &crate::DISPATCH,
+        id,
+        kind,
+        host_ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
     });
+    let p = Box::into_raw(b) as usize;
+    s.by_id.insert(id, p);
+    s.by_addr.insert(p, id);
     p as *mut c_void
 }
 
-/// The shell behind an application pointer, if it is one of ours.
+/// The shell behind an application pointer, if it is one of ours. Found by address: the
+/// value may be any 8 bytes (a kernel argument), so it is never dereferenced unless known.
 pub fn shell_ref<'a>(p: *mut c_void) -> Option<&'a Shell> {
-    if p.is_null() {
+    if p.is_null() || !shells().by_addr.contains_key(&(p as usize)) {
         return None;
     }
-    // SAFETY: the ICD loader already read the dispatch pointer through `p`, so it is readable;
-    // we only trust it after finding the same pointer registered under the id it holds.
-    let s = unsafe { &*(p as *const Shell) };
-    let map = shells().lock().unwrap_or_else(|e| e.into_inner());
-    (map.get(&s.id) == Some(&(p as usize))).then_some(s)
+    // SAFETY: p is a live shell: shells are leaked boxes, never freed.
+    Some(unsafe { &*(p as *const Shell) })
 }
 
 /// The wire id of an application handle: 0 for null, an id no table holds for a pointer
@@ -120,14 +131,28 @@ impl Connection {
         w.u64(unsafe { libc::gettid() } as u64);
         w.u64(shm.len() as u64);
         finish_frame(&mut w.buf, Kind::Control, control::HELLO, 0, 0, 0);
-        sock.send(&w.buf, &[shm.fd()]).map_err(|e| log_err("hello", e))?;
+        sock.send(&w.buf, &[shm.fd()])
+            .map_err(|e| log_err("hello", e))?;
         let reader = FrameReader::new(sock.try_clone().map_err(|e| log_err("clone", e))?);
-        let mut c = Connection { sock, reader, shm, shm_top: 0, seq: 0, batch: Vec::new(), building: 0, deferred: 0 };
+        let mut c = Connection {
+            sock,
+            reader,
+            shm,
+            shm_top: 0,
+            seq: 0,
+            batch: Vec::new(),
+            building: 0,
+            deferred: 0,
+        };
         let (h, payload) = c.read_frame()?;
         let mut r = Reader::new(&payload);
         let (_tenant, _conn, status) = (r.u64(), r.u64(), r.i32().unwrap_or(CL_OUT_OF_RESOURCES));
         if h.opcode != control::WELCOME || status != 0 {
-            return Err(if status != 0 { status } else { CL_OUT_OF_RESOURCES });
+            return Err(if status != 0 {
+                status
+            } else {
+                CL_OUT_OF_RESOURCES
+            });
         }
         Ok(c)
     }
@@ -138,12 +163,18 @@ impl Connection {
     }
 
     fn read_frame(&mut self) -> Result<(Header, Vec<u8>), i32> {
-        match self.reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {
+        match self
+            .reader
+            .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
+        {
             Ok(Some(f)) => {
                 let h = Header::parse(f).map_err(|_| CL_OUT_OF_RESOURCES)?;
                 Ok((h, f[HEADER_LEN..].to_vec()))
             }
-            Ok(None) => Err(log_code("router closed the connection", CL_OUT_OF_RESOURCES)),
+            Ok(None) => Err(log_code(
+                "router closed the connection",
+                CL_OUT_OF_RESOURCES,
+            )),
             Err(e) => Err(log_err("read", e)),
         }
     }
@@ -174,20 +205,38 @@ impl Connection {
             size = size.saturating_mul(2);
         }
         if size > SHM_MAX {
-            return Err(log_code("transfer larger than the shared-memory limit", CL_OUT_OF_HOST_MEMORY));
+            return Err(log_code(
+                "transfer larger than the shared-memory limit",
+                CL_OUT_OF_HOST_MEMORY,
+            ));
         }
         let new = ShmRegion::create("hira-guest", size).map_err(|e| log_err("shm", e))?;
         // Keep what a call under construction already placed.
         if self.shm_top > 0 {
             // SAFETY: both regions are at least shm_top bytes long and distinct mappings.
-            unsafe { std::ptr::copy_nonoverlapping(self.shm.as_ptr(), new.as_ptr(), self.shm_top as usize) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.shm.as_ptr(),
+                    new.as_ptr(),
+                    self.shm_top as usize,
+                )
+            };
         }
         self.flush()?;
         let mut w = Writer::with_header_room(HEADER_LEN);
         w.u64(size as u64);
         self.seq += 1;
-        finish_frame(&mut w.buf, Kind::Control, control::SHM_GROW, self.seq, flags::ASYNC, 0);
-        self.sock.send(&w.buf, &[new.fd().as_fd()]).map_err(|e| log_err("grow", e))?;
+        finish_frame(
+            &mut w.buf,
+            Kind::Control,
+            control::SHM_GROW,
+            self.seq,
+            flags::ASYNC,
+            0,
+        );
+        self.sock
+            .send(&w.buf, &[new.fd().as_fd()])
+            .map_err(|e| log_err("grow", e))?;
         self.shm = new;
         Ok(())
     }
@@ -268,7 +317,14 @@ impl Call {
             c.building += 1;
             Ok(())
         });
-        Call { op, w: Writer::with_header_room(HEADER_LEN), outs: Vec::new(), bulk: 0, saved_info: None, use_host_ptr: std::ptr::null_mut() }
+        Call {
+            op,
+            w: Writer::with_header_room(HEADER_LEN),
+            outs: Vec::new(),
+            bulk: 0,
+            saved_info: None,
+            use_host_ptr: std::ptr::null_mut(),
+        }
     }
 
     pub fn u64(&mut self, v: u64) {
@@ -293,7 +349,9 @@ impl Call {
         }
         let off = with_conn(|c| {
             let off = c.shm_alloc(len)?;
-            c.shm.write_at(off, data).map_err(|e| log_err("shm write", e))?;
+            c.shm
+                .write_at(off, data)
+                .map_err(|e| log_err("shm write", e))?;
             Ok(off)
         })?;
         self.bulk += len;
@@ -351,14 +409,20 @@ impl Call {
             // SAFETY: the caller passes n entries.
             let s = unsafe { *p.add(i) };
             // SAFETY: lengths, if given, has n entries.
-            let given = if lengths.is_null() { 0 } else { unsafe { *lengths.add(i) } };
+            let given = if lengths.is_null() {
+                0
+            } else {
+                unsafe { *lengths.add(i) }
+            };
             let len = if s.is_null() {
                 0
             } else if given != 0 {
                 given
             } else {
                 // SAFETY: NUL-terminated by contract when no length is given.
-                unsafe { std::ffi::CStr::from_ptr(s as *const std::ffi::c_char) }.to_bytes().len()
+                unsafe { std::ffi::CStr::from_ptr(s as *const std::ffi::c_char) }
+                    .to_bytes()
+                    .len()
             };
             // SAFETY: s has len readable bytes.
             unsafe { self.in_bytes(s, len as u64) };
@@ -406,7 +470,11 @@ impl Call {
             // SAFETY: as above.
             unsafe { self.in_bytes(p, len) };
         } else {
-            self.w.blob(if p.is_null() { Blob::Null } else { Blob::Inline(&[]) });
+            self.w.blob(if p.is_null() {
+                Blob::Null
+            } else {
+                Blob::Inline(&[])
+            });
         }
     }
 
@@ -453,7 +521,11 @@ impl Call {
     }
 
     pub fn callback(&mut self, kind: CallbackKind, pfn: *mut c_void, user_data: *mut c_void) {
-        let id = if pfn.is_null() { 0 } else { crate::callbacks::register(kind, pfn, user_data) };
+        let id = if pfn.is_null() {
+            0
+        } else {
+            crate::callbacks::register(kind, pfn, user_data)
+        };
         self.w.u64(id);
     }
 
@@ -481,7 +553,10 @@ impl Call {
         }
         if cap > INLINE_MAX {
             if let Ok(off) = with_conn(|c| c.shm_alloc(cap)) {
-                self.w.out_spec(OutSpec::Shm { offset: off, len: cap });
+                self.w.out_spec(OutSpec::Shm {
+                    offset: off,
+                    len: cap,
+                });
                 self.outs.push(OutSlot::Shm { ptr: p, off, cap });
                 self.bulk += cap;
                 return;
@@ -517,7 +592,8 @@ impl Call {
         let buf = std::mem::take(&mut self.w.buf);
         // Releases may fire destructor callbacks the application waits for without making
         // another call, and clFlush promises progress: both leave at once.
-        let urgent = self.op == hira_opencl::OP_CLFLUSH || hira_opencl::op(self.op).is_some_and(|o| o.releases);
+        let urgent = self.op == hira_opencl::OP_CLFLUSH
+            || hira_opencl::op(self.op).is_some_and(|o| o.releases);
         with_conn(|c| {
             c.batch.extend_from_slice(&buf);
             if urgent || c.batch.len() >= BATCH_MAX {
@@ -552,7 +628,15 @@ impl Call {
                 }
             }
         })?;
-        let mut r = Reply { payload, pos: 0, outs: std::mem::take(&mut self.outs), next: 0, saved_info: self.saved_info.take(), use_host_ptr: self.use_host_ptr, op: self.op };
+        let mut r = Reply {
+            payload,
+            pos: 0,
+            outs: std::mem::take(&mut self.outs),
+            next: 0,
+            saved_info: self.saved_info.take(),
+            use_host_ptr: self.use_host_ptr,
+            op: self.op,
+        };
         let status = {
             let mut rd = Reader::new(&r.payload);
             let s = rd.i32().map_err(|_| CL_OUT_OF_RESOURCES)?;
@@ -663,7 +747,20 @@ impl Reply {
         if p.is_null() {
             return;
         }
-        let Some((mode, kind)) = hira_opencl::info_mode(op, param) else { return };
+        if op == hira_opencl::OP_CLGETMEMOBJECTINFO && param == CL_MEM_FLAGS && written >= 8 {
+            // The server holds a copy of a USE_HOST_PTR buffer; the tenant asked for USE.
+            if shell_ref(obj).is_some_and(|s| !s.host_ptr.load(Ordering::Relaxed).is_null()) {
+                // SAFETY: at least 8 bytes were written at p.
+                unsafe {
+                    let f = p as *mut u64;
+                    *f = (*f & !CL_MEM_COPY_HOST_PTR) | CL_MEM_USE_HOST_PTR;
+                }
+            }
+            return;
+        }
+        let Some((mode, kind)) = hira_opencl::info_mode(op, param) else {
+            return;
+        };
         let words = (written / 8) as usize;
         let word = |i: usize| {
             // SAFETY: i < words, within the written output.
@@ -689,7 +786,8 @@ impl Reply {
                 }
             }
             InfoMode::Guest if param == CL_MEM_HOST_PTR && words >= 1 => {
-                let hp = shell_ref(obj).map_or(std::ptr::null_mut(), |s| s.host_ptr.load(Ordering::Relaxed));
+                let hp = shell_ref(obj)
+                    .map_or(std::ptr::null_mut(), |s| s.host_ptr.load(Ordering::Relaxed));
                 // SAFETY: within the output.
                 unsafe { *word(0) = hp as u64 };
             }
@@ -744,9 +842,20 @@ pub fn status(_op: u16, f: impl FnOnce() -> Result<i32, i32>) -> i32 {
 }
 
 /// Run an object-creating call: writes errcode_ret and returns the handle (or null).
-pub fn create(errcode_ret: *mut i32, _op: u16, f: impl FnOnce() -> Result<(*mut c_void, i32), i32>) -> *mut c_void {
+pub fn create(
+    errcode_ret: *mut i32,
+    _op: u16,
+    f: impl FnOnce() -> Result<(*mut c_void, i32), i32>,
+) -> *mut c_void {
     let (h, err) = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
-        Ok(Ok((h, err))) => (if err == CL_SUCCESS { h } else { std::ptr::null_mut() }, err),
+        Ok(Ok((h, err))) => (
+            if err == CL_SUCCESS {
+                h
+            } else {
+                std::ptr::null_mut()
+            },
+            err,
+        ),
         Ok(Err(e)) => (std::ptr::null_mut(), e),
         Err(_) => (std::ptr::null_mut(), CL_OUT_OF_HOST_MEMORY),
     };
@@ -760,11 +869,6 @@ pub fn create(errcode_ret: *mut i32, _op: u16, f: impl FnOnce() -> Result<(*mut 
 /// Log a call to a function hira does not forward.
 pub fn unsupported(name: &str) {
     log_code(name, CL_INVALID_OPERATION);
-}
-
-/// Error a bad handle of `kind` gets.
-pub fn invalid(kind: u8) -> i32 {
-    INVALID_HANDLE.get(kind as usize).copied().unwrap_or(CL_INVALID_VALUE)
 }
 
 /// Record the host pointer of a CL_MEM_USE_HOST_PTR buffer.
@@ -787,10 +891,19 @@ pub mod expr {
     }
 
     /// Host bytes a rectangle transfer touches.
-    pub fn rect_size(origin: *const usize, region: *const usize, row_pitch: u64, slice_pitch: u64) -> u64 {
+    pub fn rect_size(
+        origin: *const usize,
+        region: *const usize,
+        row_pitch: u64,
+        slice_pitch: u64,
+    ) -> u64 {
         let (o, r) = (arr3(origin), arr3(region));
         let row = if row_pitch == 0 { r[0] } else { row_pitch };
-        let slice = if slice_pitch == 0 { row * r[1] } else { slice_pitch };
+        let slice = if slice_pitch == 0 {
+            row * r[1]
+        } else {
+            slice_pitch
+        };
         if r.contains(&0) {
             return 0;
         }
@@ -802,7 +915,13 @@ pub mod expr {
         let mut v: u64 = 0;
         // SAFETY: an 8-byte output for a size_t info value.
         let ret = unsafe {
-            crate::stubs::clGetImageInfo(image, param, 8, &mut v as *mut u64 as *mut c_void, std::ptr::null_mut())
+            crate::stubs::clGetImageInfo(
+                image,
+                param,
+                8,
+                &mut v as *mut u64 as *mut c_void,
+                std::ptr::null_mut(),
+            )
         };
         if ret == CL_SUCCESS {
             v
@@ -812,11 +931,24 @@ pub mod expr {
     }
 
     /// Host bytes of an image read/write of `region` with the given pitches.
-    pub fn image_host_size(image: *mut c_void, region: *const usize, row_pitch: u64, slice_pitch: u64) -> u64 {
+    pub fn image_host_size(
+        image: *mut c_void,
+        region: *const usize,
+        row_pitch: u64,
+        slice_pitch: u64,
+    ) -> u64 {
         let r = arr3(region);
         let elem = image_info(image, CL_IMAGE_ELEMENT_SIZE);
-        let row = if row_pitch == 0 { r[0] * elem } else { row_pitch };
-        let slice = if slice_pitch == 0 { row * r[1] } else { slice_pitch };
+        let row = if row_pitch == 0 {
+            r[0] * elem
+        } else {
+            row_pitch
+        };
+        let slice = if slice_pitch == 0 {
+            row * r[1]
+        } else {
+            slice_pitch
+        };
         if r.contains(&0) {
             return 0;
         }
@@ -841,27 +973,58 @@ pub mod expr {
         let d = unsafe { std::slice::from_raw_parts((desc as *const u64).add(1), 6) };
         // SAFETY: image_type is the first u32.
         let ty = unsafe { *(desc as *const u32) };
-        let (w, h, depth, arr, row_pitch, slice_pitch) = (d[0], d[1].max(1), d[2].max(1), d[3].max(1), d[4], d[5]);
+        let (w, h, depth, arr, row_pitch, slice_pitch) =
+            (d[0], d[1].max(1), d[2].max(1), d[3].max(1), d[4], d[5]);
         let e = elem_size(format);
         let row = if row_pitch == 0 { w * e } else { row_pitch };
         match ty {
             CL_MEM_OBJECT_IMAGE1D | CL_MEM_OBJECT_IMAGE1D_BUFFER => row,
             CL_MEM_OBJECT_IMAGE2D => row * h,
             CL_MEM_OBJECT_IMAGE1D_ARRAY => (if slice_pitch == 0 { row } else { slice_pitch }) * arr,
-            CL_MEM_OBJECT_IMAGE2D_ARRAY => (if slice_pitch == 0 { row * h } else { slice_pitch }) * arr,
-            _ => (if slice_pitch == 0 { row * h } else { slice_pitch }) * depth,
+            CL_MEM_OBJECT_IMAGE2D_ARRAY => {
+                (if slice_pitch == 0 {
+                    row * h
+                } else {
+                    slice_pitch
+                }) * arr
+            }
+            _ => {
+                (if slice_pitch == 0 {
+                    row * h
+                } else {
+                    slice_pitch
+                }) * depth
+            }
         }
     }
 
     pub fn image2d_size(format: *const u8, w: u64, h: u64, row_pitch: u64) -> u64 {
-        let row = if row_pitch == 0 { w * elem_size(format) } else { row_pitch };
+        let row = if row_pitch == 0 {
+            w * elem_size(format)
+        } else {
+            row_pitch
+        };
         row * h
     }
 
-    pub fn image3d_size(format: *const u8, w: u64, h: u64, d: u64, row_pitch: u64, slice_pitch: u64) -> u64 {
-        let row = if row_pitch == 0 { w * elem_size(format) } else { row_pitch };
-        let slice = if slice_pitch == 0 { row * h } else { slice_pitch };
+    pub fn image3d_size(
+        format: *const u8,
+        w: u64,
+        h: u64,
+        d: u64,
+        row_pitch: u64,
+        slice_pitch: u64,
+    ) -> u64 {
+        let row = if row_pitch == 0 {
+            w * elem_size(format)
+        } else {
+            row_pitch
+        };
+        let slice = if slice_pitch == 0 {
+            row * h
+        } else {
+            slice_pitch
+        };
         slice * d
     }
 }
-

@@ -84,9 +84,9 @@ pub fn image_element_size(order: u32, ty: u32) -> Option<u64> {
     let bytes: u64 = match ty {
         0x10D0 | 0x10D2 | 0x10D7 | 0x10DA => 1, // SNORM_INT8 UNORM_INT8 SIGNED_INT8 UNSIGNED_INT8
         0x10D1 | 0x10D3 | 0x10D8 | 0x10DB | 0x10DD => 2, // SNORM_INT16 UNORM_INT16 SIGNED_INT16 UNSIGNED_INT16 HALF_FLOAT
-        0x10D9 | 0x10DC | 0x10DE => 4,          // SIGNED_INT32 UNSIGNED_INT32 FLOAT
-        0x10D4 | 0x10D5 => return Some(2),      // UNORM_SHORT_565 / 555: packed
-        0x10D6 | 0x10E0 | 0x10E1 => return Some(4), // UNORM_INT_101010 / 24 / 101010_2: packed
+        0x10D9 | 0x10DC | 0x10DE => 4,                   // SIGNED_INT32 UNSIGNED_INT32 FLOAT
+        0x10D4 | 0x10D5 => return Some(2),               // UNORM_SHORT_565 / 555: packed
+        0x10D6 | 0x10E0 | 0x10E1 => return Some(4),      // UNORM_INT_101010 / 24 / 101010_2: packed
         _ => return None,
     };
     Some(channels * bytes)

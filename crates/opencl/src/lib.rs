@@ -57,7 +57,10 @@ pub fn op(opcode: u16) -> Option<&'static OpInfo> {
 
 /// Translation mode and handle kind of an info query result, if it needs one.
 pub fn info_mode(opcode: u16, param: u32) -> Option<(InfoMode, u8)> {
-    INFOS.iter().find(|i| i.0 == opcode && i.1 == param).map(|i| (i.2, i.3))
+    INFOS
+        .iter()
+        .find(|i| i.0 == opcode && i.1 == param)
+        .map(|i| (i.2, i.3))
 }
 
 #[cfg(test)]

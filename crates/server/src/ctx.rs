@@ -37,6 +37,7 @@ impl Fail {
 
 /// Callback signatures the server can relay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(clippy::enum_variant_names)] // the names of the spec's callback kinds
 pub enum CallbackKind {
     ContextNotify,
     ProgramNotify,
@@ -68,6 +69,8 @@ pub struct Shared {
     pub device_ns: AtomicU64,
     pub device_ns_reported: AtomicU64,
     pub mem_bytes: AtomicU64,
+    /// The control socket to the router (kernel completions go there).
+    pub control: Mutex<Option<Conn>>,
 }
 
 impl Shared {
@@ -79,6 +82,7 @@ impl Shared {
             device_ns: AtomicU64::new(0),
             device_ns_reported: AtomicU64::new(0),
             mem_bytes: AtomicU64::new(0),
+            control: Mutex::new(None),
         })
     }
 
@@ -101,9 +105,35 @@ impl Shared {
         }
         t.next += 1;
         let id = t.next;
-        t.by_id.insert(id, Entry { raw: raw as usize, kind, refs: 1, bytes: 0 });
+        t.by_id.insert(
+            id,
+            Entry {
+                raw: raw as usize,
+                kind,
+                refs: 1,
+                bytes: 0,
+            },
+        );
         t.by_raw.insert((raw as usize, kind), id);
         id
+    }
+
+    /// Tell the router a kernel finished (its scheduler charges the device time).
+    pub fn report_done(&self, device_ns: u64, measured: bool) {
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        w.u64(device_ns);
+        w.u8(measured as u8);
+        let len = w.buf.len() - HEADER_LEN;
+        Header::new(Kind::Control, hira_wire::control::DONE, 0, len)
+            .write_to(&mut w.buf[..HEADER_LEN]);
+        if let Some(c) = self
+            .control
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            let _ = c.send(&w.buf, &[]);
+        }
     }
 
     /// Send a callback frame to the guest.
@@ -145,7 +175,10 @@ impl<T> In<T> {
         self.ptr
     }
     fn null() -> In<T> {
-        In { ptr: std::ptr::null(), _keep: None }
+        In {
+            ptr: std::ptr::null(),
+            _keep: None,
+        }
     }
 }
 
@@ -204,7 +237,13 @@ fn put_u64(b: &mut [u8], i: usize, v: u64) {
 impl Ctx {
     pub fn new(shared: Arc<Shared>, shm: Option<ShmRegion>) -> Ctx {
         let api = shared.api;
-        Ctx { shared, api, shm, async_frame: false, staged: Vec::new() }
+        Ctx {
+            shared,
+            api,
+            shm,
+            async_frame: false,
+            staged: Vec::new(),
+        }
     }
 
     /// Called after each request.
@@ -222,7 +261,12 @@ impl Ctx {
             Some(e) if e.kind == kind => Ok(e.raw as *mut c_void),
             _ => {
                 tracing::debug!(id, kind, "bad handle");
-                Err(Fail::Cl(INVALID_HANDLE.get(kind as usize).copied().unwrap_or(CL_INVALID_VALUE)))
+                Err(Fail::Cl(
+                    INVALID_HANDLE
+                        .get(kind as usize)
+                        .copied()
+                        .unwrap_or(CL_INVALID_VALUE),
+                ))
             }
         }
     }
@@ -245,18 +289,38 @@ impl Ctx {
     }
 
     fn account_mem(&self, id: u64, raw: *mut c_void) {
-        let Some(f) = self.api.clGetMemObjectInfo else { return };
+        let Some(f) = self.api.clGetMemObjectInfo else {
+            return;
+        };
         let mut size: usize = 0;
         // SAFETY: raw is a live memory object; size is an 8-byte output.
-        let ret = unsafe { f(raw, CL_MEM_SIZE, 8, &mut size as *mut usize as *mut c_void, std::ptr::null_mut()) };
+        let ret = unsafe {
+            f(
+                raw,
+                CL_MEM_SIZE,
+                8,
+                &mut size as *mut usize as *mut c_void,
+                std::ptr::null_mut(),
+            )
+        };
         let mut parent: *mut c_void = std::ptr::null_mut();
         // SAFETY: as above; sub-buffers share their parent's memory.
-        unsafe { f(raw, CL_MEM_ASSOCIATED_MEMOBJECT, 8, &mut parent as *mut *mut c_void as *mut c_void, std::ptr::null_mut()) };
+        unsafe {
+            f(
+                raw,
+                CL_MEM_ASSOCIATED_MEMOBJECT,
+                8,
+                &mut parent as *mut *mut c_void as *mut c_void,
+                std::ptr::null_mut(),
+            )
+        };
         if ret == CL_SUCCESS && parent.is_null() {
             if let Some(e) = self.shared.table().by_id.get_mut(&id) {
                 e.bytes = size as u64;
             }
-            self.shared.mem_bytes.fetch_add(size as u64, Ordering::Relaxed);
+            self.shared
+                .mem_bytes
+                .fetch_add(size as u64, Ordering::Relaxed);
         }
     }
 
@@ -267,7 +331,15 @@ impl Ctx {
             tracing::warn!(id, "guest-chosen id refused");
             return Err(Fail::Cl(CL_INVALID_VALUE));
         }
-        t.by_id.insert(id, Entry { raw: raw as usize, kind, refs: 1, bytes: 0 });
+        t.by_id.insert(
+            id,
+            Entry {
+                raw: raw as usize,
+                kind,
+                refs: 1,
+                bytes: 0,
+            },
+        );
         t.by_raw.insert((raw as usize, kind), id);
         Ok(())
     }
@@ -291,7 +363,10 @@ impl Ctx {
         if gone {
             if let Some(e) = t.by_id.remove(&id) {
                 t.by_raw.remove(&(e.raw, e.kind));
-                self.shared.mem_bytes.fetch_sub(e.bytes.min(self.shared.mem_bytes.load(Ordering::Relaxed)), Ordering::Relaxed);
+                self.shared.mem_bytes.fetch_sub(
+                    e.bytes.min(self.shared.mem_bytes.load(Ordering::Relaxed)),
+                    Ordering::Relaxed,
+                );
             }
         }
     }
@@ -302,7 +377,9 @@ impl Ctx {
             Blob::Inline(d) if d.len() as u64 >= need => Ok(Some(d.as_ptr())),
             Blob::Shm { offset, len } if len >= need => {
                 let shm = self.shm.as_ref().ok_or(Fail::Cl(CL_INVALID_VALUE))?;
-                shm.range(offset, len).map(|p| Some(p as *const u8)).ok_or(Fail::Cl(CL_INVALID_VALUE))
+                shm.range(offset, len)
+                    .map(|p| Some(p as *const u8))
+                    .ok_or(Fail::Cl(CL_INVALID_VALUE))
             }
             _ => {
                 tracing::debug!(need, "input shorter than the spec says");
@@ -314,7 +391,10 @@ impl Ctx {
     /// Raw input bytes, at least `need` of them.
     pub fn in_bytes(&self, b: Blob<'_>, need: u64) -> Result<In<u8>, Fail> {
         Ok(match self.bytes_of(b, need)? {
-            Some(p) => In { ptr: p, _keep: None },
+            Some(p) => In {
+                ptr: p,
+                _keep: None,
+            },
             None => In::null(),
         })
     }
@@ -322,12 +402,20 @@ impl Ctx {
     /// `n` values of T, copied so they are aligned.
     pub fn in_array<T: Copy + Default>(&self, b: Blob<'_>, n: u64) -> Result<In<T>, Fail> {
         let size = std::mem::size_of::<T>() as u64;
-        let bytes = n.checked_mul(size).filter(|&b| b <= MAX_INLINE_OUT).ok_or(Fail::Cl(CL_INVALID_VALUE))?;
-        let Some(p) = self.bytes_of(b, bytes)? else { return Ok(In::null()) };
+        let bytes = n
+            .checked_mul(size)
+            .filter(|&b| b <= MAX_INLINE_OUT)
+            .ok_or(Fail::Cl(CL_INVALID_VALUE))?;
+        let Some(p) = self.bytes_of(b, bytes)? else {
+            return Ok(In::null());
+        };
         let mut v = vec![T::default(); n as usize];
         // SAFETY: p has `bytes` readable bytes (checked), v has room for them.
         unsafe { std::ptr::copy_nonoverlapping(p, v.as_mut_ptr() as *mut u8, bytes as usize) };
-        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+        Ok(In {
+            ptr: v.as_ptr(),
+            _keep: Some(v),
+        })
     }
 
     /// `n` handle ids of `kind`, translated.
@@ -341,7 +429,10 @@ impl Ctx {
             // SAFETY: ids holds n values.
             v.push(self.handle(unsafe { *ids.ptr.add(i) }, kind)?);
         }
-        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+        Ok(In {
+            ptr: v.as_ptr(),
+            _keep: Some(v),
+        })
     }
 
     /// A string, NUL-terminated here whatever arrived.
@@ -355,7 +446,10 @@ impl Ctx {
         let mut v = vec![0u8; len as usize + 1];
         // SAFETY: p has len readable bytes.
         unsafe { std::ptr::copy_nonoverlapping(p, v.as_mut_ptr(), len as usize) };
-        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+        Ok(In {
+            ptr: v.as_ptr(),
+            _keep: Some(v),
+        })
     }
 
     pub fn read_strings<'a>(&self, r: &mut Reader<'a>) -> Result<Option<Vec<Blob<'a>>>, Fail> {
@@ -366,11 +460,19 @@ impl Ctx {
         if n > 1 << 16 {
             return Err(Fail::Cl(CL_INVALID_VALUE));
         }
-        (0..n).map(|_| r.blob().map_err(Fail::from)).collect::<Result<Vec<_>, _>>().map(Some)
+        (0..n)
+            .map(|_| r.blob().map_err(Fail::from))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
     }
 
     pub fn in_strings(&self, v: Option<Vec<Blob<'_>>>, count: u64) -> Result<InStrings, Fail> {
-        let Some(v) = v else { return Ok(InStrings { _data: Vec::new(), ptrs: None }) };
+        let Some(v) = v else {
+            return Ok(InStrings {
+                _data: Vec::new(),
+                ptrs: None,
+            });
+        };
         if v.len() as u64 != count {
             return Err(Fail::Cl(CL_INVALID_VALUE));
         }
@@ -379,8 +481,20 @@ impl Ctx {
             let s = self.in_string(b)?;
             data.push(s._keep.unwrap_or_default());
         }
-        let ptrs = data.iter().map(|d| if d.is_empty() { std::ptr::null() } else { d.as_ptr() }).collect();
-        Ok(InStrings { _data: data, ptrs: Some(ptrs) })
+        let ptrs = data
+            .iter()
+            .map(|d| {
+                if d.is_empty() {
+                    std::ptr::null()
+                } else {
+                    d.as_ptr()
+                }
+            })
+            .collect();
+        Ok(InStrings {
+            _data: data,
+            ptrs: Some(ptrs),
+        })
     }
 
     /// A zero-terminated property list; CL_CONTEXT_PLATFORM values translated for contexts.
@@ -404,7 +518,10 @@ impl Ctx {
                 i += 2;
             }
         }
-        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+        Ok(In {
+            ptr: v.as_ptr(),
+            _keep: Some(v),
+        })
     }
 
     /// A host pointer's contents, read only when the flags say the vendor reads it.
@@ -412,7 +529,10 @@ impl Ctx {
         if flags & (CL_MEM_USE_HOST_PTR | CL_MEM_COPY_HOST_PTR) == 0 {
             return Ok(match b {
                 // A non-null pointer without USE/COPY: let the vendor reject it.
-                Blob::Inline(_) => In { ptr: 1 as *const u8, _keep: None },
+                Blob::Inline(_) => In {
+                    ptr: std::ptr::dangling::<u8>(),
+                    _keep: None,
+                },
                 _ => In::null(),
             });
         }
@@ -436,7 +556,10 @@ impl Ctx {
         }
         let mut v = d._keep.unwrap_or_default();
         v[8] = self.handle(v[8], K_MEM)? as u64;
-        Ok(In { ptr: v.as_ptr(), _keep: Some(v) })
+        Ok(In {
+            ptr: v.as_ptr(),
+            _keep: Some(v),
+        })
     }
 
     pub fn read_kernel_arg<'a>(&self, r: &mut Reader<'a>) -> Result<KernelArg<'a>, Fail> {
@@ -459,7 +582,10 @@ impl Ctx {
                 }
                 // The vendor reads the cl_mem value through this pointer during the call.
                 let bytes = (raw as u64).to_ne_bytes().to_vec();
-                Ok(In { ptr: bytes.as_ptr(), _keep: Some(bytes) })
+                Ok(In {
+                    ptr: bytes.as_ptr(),
+                    _keep: Some(bytes),
+                })
             }
         }
     }
@@ -469,7 +595,11 @@ impl Ctx {
         if id == 0 {
             return (std::ptr::null_mut(), std::ptr::null_mut());
         }
-        let ctx = Box::new(CallbackCtx { shared: self.shared.clone(), id, kind });
+        let ctx = Box::new(CallbackCtx {
+            shared: self.shared.clone(),
+            id,
+            kind,
+        });
         let f = match kind {
             CallbackKind::ContextNotify => context_tramp as *mut c_void,
             CallbackKind::ProgramNotify => program_tramp as *mut c_void,
@@ -483,7 +613,9 @@ impl Ctx {
     pub fn out(&self, o: OutSpec, need: u64) -> Result<OutBuf, Fail> {
         match o {
             OutSpec::Null => Ok(OutBuf::Null),
-            OutSpec::Inline { len } if len >= need && len <= MAX_INLINE_OUT => Ok(OutBuf::Inline(vec![0u8; len as usize])),
+            OutSpec::Inline { len } if len >= need && len <= MAX_INLINE_OUT => {
+                Ok(OutBuf::Inline(vec![0u8; len as usize]))
+            }
             OutSpec::Shm { offset, len } if len >= need => {
                 let shm = self.shm.as_ref().ok_or(Fail::Cl(CL_INVALID_VALUE))?;
                 let p = shm.range(offset, len).ok_or(Fail::Cl(CL_INVALID_VALUE))?;
@@ -510,12 +642,23 @@ impl Ctx {
         Ok(())
     }
 
+    /// Where the vendor writes an info result: nowhere for results the guest answers itself
+    /// (CL_PROGRAM_BINARIES holds pointers into the guest; the vendor would write through them).
+    pub fn info_ptr(&self, op: u16, param: u32, o: &mut OutBuf) -> *mut c_void {
+        match info_mode(op, param) {
+            Some((InfoMode::Guest, _)) => std::ptr::null_mut(),
+            _ => o.ptr(),
+        }
+    }
+
     /// Translate handle-valued info results (the spec's `info` declarations).
     pub fn info_out(&self, op: u16, param: u32, o: &mut OutBuf, ret: i32) -> Result<(), Fail> {
         if ret != CL_SUCCESS {
             return Ok(());
         }
-        let Some((mode, kind)) = info_mode(op, param) else { return Ok(()) };
+        let Some((mode, kind)) = info_mode(op, param) else {
+            return Ok(());
+        };
         let Some(b) = o.words() else { return Ok(()) };
         let n = b.len() / 8;
         match mode {
@@ -529,7 +672,9 @@ impl Ctx {
                 let mut i = 0;
                 while i + 1 < n {
                     if get_u64(b, i) as i64 == CL_CONTEXT_PLATFORM {
-                        let id = self.shared.id_for(get_u64(b, i + 1) as *mut c_void, hira_opencl::K_PLATFORM);
+                        let id = self
+                            .shared
+                            .id_for(get_u64(b, i + 1) as *mut c_void, hira_opencl::K_PLATFORM);
                         put_u64(b, i + 1, id);
                     }
                     i += 2;
@@ -552,20 +697,38 @@ impl Ctx {
         let copy = unsafe { std::slice::from_raw_parts(direct.ptr, need as usize) }.to_vec();
         let p = copy.as_ptr();
         self.staged.push(copy);
-        Ok(In { ptr: p, _keep: None })
+        Ok(In {
+            ptr: p,
+            _keep: None,
+        })
     }
 
     /// After an enqueue: charge its device time (kernels) and keep staged inputs alive until
     /// its event completes; release the event if the server made it for itself.
-    pub fn track_event(&mut self, ret: i32, ev: *mut c_void, ours: bool, device_time: bool) {
+    pub(crate) fn track_event(&mut self, ret: i32, ev: *mut c_void, ours: bool, device_time: bool) {
         let staged = std::mem::take(&mut self.staged);
         if ret != CL_SUCCESS || ev.is_null() {
             return;
         }
-        let Some(set_cb) = self.api.clSetEventCallback else { return };
-        let ctx = Box::new(DeviceTimeCtx { shared: self.shared.clone(), ours, device_time, _staged: staged });
+        let Some(set_cb) = self.api.clSetEventCallback else {
+            return;
+        };
+        let ctx = Box::new(DeviceTimeCtx {
+            shared: self.shared.clone(),
+            ours,
+            device_time,
+            enqueued: std::time::Instant::now(),
+            _staged: staged,
+        });
         // SAFETY: ev is a live event; the trampoline takes back the box exactly once.
-        let r = unsafe { set_cb(ev, CL_COMPLETE, device_time_tramp as *mut c_void, Box::into_raw(ctx) as *mut c_void) };
+        let r = unsafe {
+            set_cb(
+                ev,
+                CL_COMPLETE,
+                device_time_tramp as *mut c_void,
+                Box::into_raw(ctx) as *mut c_void,
+            )
+        };
         if r != CL_SUCCESS {
             tracing::debug!(r, "no completion callback");
         }
@@ -589,6 +752,7 @@ struct DeviceTimeCtx {
     shared: Arc<Shared>,
     ours: bool,
     device_time: bool,
+    enqueued: std::time::Instant,
     _staged: Vec<Vec<u8>>,
 }
 
@@ -596,16 +760,34 @@ extern "C" fn device_time_tramp(ev: *mut c_void, _status: i32, ud: *mut c_void) 
     // SAFETY: ud is the box made in device_time, handed over exactly once.
     let ctx = unsafe { Box::from_raw(ud as *mut DeviceTimeCtx) };
     let api = ctx.shared.api;
-    if let Some(prof) = api.clGetEventProfilingInfo.filter(|_| ctx.device_time) {
+    if ctx.device_time {
         let (mut start, mut end) = (0u64, 0u64);
-        // SAFETY: ev is the completed event; 8-byte outputs.
-        let ok = unsafe {
-            prof(ev, CL_PROFILING_COMMAND_START, 8, &mut start as *mut u64 as *mut c_void, std::ptr::null_mut()) == 0
-                && prof(ev, CL_PROFILING_COMMAND_END, 8, &mut end as *mut u64 as *mut c_void, std::ptr::null_mut()) == 0
+        let measured = api.clGetEventProfilingInfo.is_some_and(|prof| {
+            // SAFETY: ev is the completed event; 8-byte outputs.
+            unsafe {
+                prof(
+                    ev,
+                    CL_PROFILING_COMMAND_START,
+                    8,
+                    &mut start as *mut u64 as *mut c_void,
+                    std::ptr::null_mut(),
+                ) == 0
+                    && prof(
+                        ev,
+                        CL_PROFILING_COMMAND_END,
+                        8,
+                        &mut end as *mut u64 as *mut c_void,
+                        std::ptr::null_mut(),
+                    ) == 0
+            }
+        }) && end >= start;
+        let ns = if measured {
+            end - start
+        } else {
+            ctx.enqueued.elapsed().as_nanos() as u64
         };
-        if ok && end > start {
-            ctx.shared.device_ns.fetch_add(end - start, Ordering::Relaxed);
-        }
+        ctx.shared.device_ns.fetch_add(ns, Ordering::Relaxed);
+        ctx.shared.report_done(ns, measured);
     }
     if ctx.ours {
         if let Some(rel) = api.clReleaseEvent {
@@ -637,27 +819,39 @@ extern "C" fn event_tramp(ev: *mut c_void, status: i32, ud: *mut c_void) {
 }
 
 extern "C" fn program_tramp(prog: *mut c_void, ud: *mut c_void) {
-    relay(ud, true, |s, w| w.u64(s.id_for(prog, hira_opencl::K_PROGRAM)));
+    relay(ud, true, |s, w| {
+        w.u64(s.id_for(prog, hira_opencl::K_PROGRAM))
+    });
 }
 
 extern "C" fn object_tramp(obj: *mut c_void, ud: *mut c_void) {
     relay(ud, true, |s, w| {
         let (kind, id) = {
             let t = s.table();
-            t.by_raw.iter().find(|((raw, _), _)| *raw == obj as usize).map_or((0, 0), |((_, k), id)| (*k, *id))
+            t.by_raw
+                .iter()
+                .find(|((raw, _), _)| *raw == obj as usize)
+                .map_or((0, 0), |((_, k), id)| (*k, *id))
         };
         w.u64(id);
         w.u8(kind);
     });
 }
 
-extern "C" fn context_tramp(errinfo: *const std::ffi::c_char, _p: *const c_void, _cb: usize, ud: *mut c_void) {
+extern "C" fn context_tramp(
+    errinfo: *const std::ffi::c_char,
+    _p: *const c_void,
+    _cb: usize,
+    ud: *mut c_void,
+) {
     relay(ud, false, |_, w| {
         let msg = if errinfo.is_null() {
             Vec::new()
         } else {
             // SAFETY: the vendor passes a NUL-terminated message.
-            unsafe { std::ffi::CStr::from_ptr(errinfo) }.to_bytes().to_vec()
+            unsafe { std::ffi::CStr::from_ptr(errinfo) }
+                .to_bytes()
+                .to_vec()
         };
         w.bytes(&msg);
     });

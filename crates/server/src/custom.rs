@@ -15,10 +15,25 @@ pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fai
     r.finish()?;
     let mut value = cx.out(vo, size)?;
     let mut size_ret = cx.out(so, 8)?;
-    let f = cx.api.clGetDeviceInfo.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let f = cx
+        .api
+        .clGetDeviceInfo
+        .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
     // SAFETY: outputs sized as the spec says; device validated.
-    let ret = unsafe { f(device, param, size as usize, value.ptr(), size_ret.ptr() as *mut usize) };
-    if ret == CL_SUCCESS && param == CL_DEVICE_SVM_CAPABILITIES && size >= 8 && !value.ptr().is_null() {
+    let ret = unsafe {
+        f(
+            device,
+            param,
+            size as usize,
+            value.ptr(),
+            size_ret.ptr() as *mut usize,
+        )
+    };
+    if ret == CL_SUCCESS
+        && param == CL_DEVICE_SVM_CAPABILITIES
+        && size >= 8
+        && !value.ptr().is_null()
+    {
         // SAFETY: at least 8 bytes.
         unsafe { *(value.ptr() as *mut u64) = 0 };
     }
@@ -36,7 +51,10 @@ pub fn h_clCreateCommandQueue(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer
     let device = cx.handle(r.u64()?, K_DEVICE)?;
     let props = r.u64()?;
     r.finish()?;
-    let f = cx.api.clCreateCommandQueue.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let f = cx
+        .api
+        .clCreateCommandQueue
+        .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
     let mut err = 0i32;
     // SAFETY: validated handles; err is a live output.
     let q = unsafe { f(context, device, props | CL_QUEUE_PROFILING_ENABLE, &mut err) };
@@ -47,7 +65,10 @@ pub fn h_clCreateCommandQueue(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer
     Ok(w)
 }
 
-pub fn h_clCreateCommandQueueWithProperties(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+pub fn h_clCreateCommandQueueWithProperties(
+    cx: &mut Ctx,
+    r: &mut Reader<'_>,
+) -> Result<Writer, Fail> {
     let context = cx.handle(r.u64()?, K_CONTEXT)?;
     let device = cx.handle(r.u64()?, K_DEVICE)?;
     let pb = r.blob()?;
@@ -71,7 +92,10 @@ pub fn h_clCreateCommandQueueWithProperties(cx: &mut Ctx, r: &mut Reader<'_>) ->
         props.extend([CL_QUEUE_PROPERTIES, CL_QUEUE_PROFILING_ENABLE]);
     }
     props.push(0);
-    let f = cx.api.clCreateCommandQueueWithProperties.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let f = cx
+        .api
+        .clCreateCommandQueueWithProperties
+        .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
     let mut err = 0i32;
     // SAFETY: validated handles; props is zero-terminated.
     let q = unsafe { f(context, device, props.as_ptr(), &mut err) };
@@ -90,23 +114,54 @@ pub fn h_hiraGetProgramBinary(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer
     let o = r.out_spec()?;
     r.finish()?;
     let mut out = cx.out(o, size)?;
-    let f = cx.api.clGetProgramInfo.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let f = cx
+        .api
+        .clGetProgramInfo
+        .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
     let mut n: u32 = 0;
     // SAFETY: validated program; 4-byte output.
-    let ret = unsafe { f(program, CL_PROGRAM_NUM_DEVICES, 4, &mut n as *mut u32 as *mut c_void, std::ptr::null_mut()) };
+    let ret = unsafe {
+        f(
+            program,
+            CL_PROGRAM_NUM_DEVICES,
+            4,
+            &mut n as *mut u32 as *mut c_void,
+            std::ptr::null_mut(),
+        )
+    };
     if ret != CL_SUCCESS || index >= n as usize {
-        return Err(Fail::Cl(if ret != CL_SUCCESS { ret } else { CL_INVALID_VALUE }));
+        return Err(Fail::Cl(if ret != CL_SUCCESS {
+            ret
+        } else {
+            CL_INVALID_VALUE
+        }));
     }
     let mut sizes = vec![0usize; n as usize];
     // SAFETY: n size_t outputs.
-    unsafe { f(program, CL_PROGRAM_BINARY_SIZES, n as usize * 8, sizes.as_mut_ptr() as *mut c_void, std::ptr::null_mut()) };
+    unsafe {
+        f(
+            program,
+            CL_PROGRAM_BINARY_SIZES,
+            n as usize * 8,
+            sizes.as_mut_ptr() as *mut c_void,
+            std::ptr::null_mut(),
+        )
+    };
     if (sizes[index] as u64) > size {
         return Err(Fail::Cl(CL_INVALID_VALUE));
     }
     let mut ptrs = vec![std::ptr::null_mut::<c_void>(); n as usize];
     ptrs[index] = out.ptr();
     // SAFETY: one non-null destination with room for its binary (checked above).
-    let ret = unsafe { f(program, CL_PROGRAM_BINARIES, n as usize * 8, ptrs.as_mut_ptr() as *mut c_void, std::ptr::null_mut()) };
+    let ret = unsafe {
+        f(
+            program,
+            CL_PROGRAM_BINARIES,
+            n as usize * 8,
+            ptrs.as_mut_ptr() as *mut c_void,
+            std::ptr::null_mut(),
+        )
+    };
     let mut w = Writer::default();
     w.i32(ret);
     out.emit(&mut w);

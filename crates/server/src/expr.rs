@@ -19,22 +19,47 @@ fn arr3(p: *const usize) -> [u64; 3] {
     unsafe { [*p as u64, *p.add(1) as u64, *p.add(2) as u64] }
 }
 
-pub fn rect_size(origin: *const usize, region: *const usize, row_pitch: u64, slice_pitch: u64) -> u64 {
+pub fn rect_size(
+    origin: *const usize,
+    region: *const usize,
+    row_pitch: u64,
+    slice_pitch: u64,
+) -> u64 {
     let (o, r) = (arr3(origin), arr3(region));
     if r.contains(&0) {
         return 0;
     }
     let row = if row_pitch == 0 { r[0] } else { row_pitch };
-    let slice = if slice_pitch == 0 { row * r[1] } else { slice_pitch };
-    let first = o[2].saturating_mul(slice).saturating_add(o[1].saturating_mul(row)).saturating_add(o[0]);
-    first.saturating_add((r[2] - 1).saturating_mul(slice)).saturating_add((r[1] - 1).saturating_mul(row)).saturating_add(r[0])
+    let slice = if slice_pitch == 0 {
+        row * r[1]
+    } else {
+        slice_pitch
+    };
+    let first = o[2]
+        .saturating_mul(slice)
+        .saturating_add(o[1].saturating_mul(row))
+        .saturating_add(o[0]);
+    first
+        .saturating_add((r[2] - 1).saturating_mul(slice))
+        .saturating_add((r[1] - 1).saturating_mul(row))
+        .saturating_add(r[0])
 }
 
 fn image_elem(image: *mut c_void) -> u64 {
-    let Some(f) = API.get().and_then(|a| a.clGetImageInfo) else { return 0 };
+    let Some(f) = API.get().and_then(|a| a.clGetImageInfo) else {
+        return 0;
+    };
     let mut v: usize = 0;
     // SAFETY: image is a validated handle; 8-byte output.
-    let r = unsafe { f(image, CL_IMAGE_ELEMENT_SIZE, 8, &mut v as *mut usize as *mut c_void, std::ptr::null_mut()) };
+    let r = unsafe {
+        f(
+            image,
+            CL_IMAGE_ELEMENT_SIZE,
+            8,
+            &mut v as *mut usize as *mut c_void,
+            std::ptr::null_mut(),
+        )
+    };
     if r == CL_SUCCESS {
         v as u64
     } else {
@@ -42,15 +67,31 @@ fn image_elem(image: *mut c_void) -> u64 {
     }
 }
 
-pub fn image_host_size(image: *mut c_void, region: *const usize, row_pitch: u64, slice_pitch: u64) -> u64 {
+pub fn image_host_size(
+    image: *mut c_void,
+    region: *const usize,
+    row_pitch: u64,
+    slice_pitch: u64,
+) -> u64 {
     let r = arr3(region);
     if r.contains(&0) {
         return 0;
     }
     let elem = image_elem(image);
-    let row = if row_pitch == 0 { r[0] * elem } else { row_pitch };
-    let slice = if slice_pitch == 0 { row * r[1] } else { slice_pitch };
-    (r[2] - 1).saturating_mul(slice).saturating_add((r[1] - 1).saturating_mul(row)).saturating_add(r[0] * elem)
+    let row = if row_pitch == 0 {
+        r[0] * elem
+    } else {
+        row_pitch
+    };
+    let slice = if slice_pitch == 0 {
+        row * r[1]
+    } else {
+        slice_pitch
+    };
+    (r[2] - 1)
+        .saturating_mul(slice)
+        .saturating_add((r[1] - 1).saturating_mul(row))
+        .saturating_add(r[0] * elem)
 }
 
 fn elem_size(format: *const u8) -> u64 {
@@ -58,7 +99,12 @@ fn elem_size(format: *const u8) -> u64 {
         return 0;
     }
     // SAFETY: decoded as 8 bytes (two cl_uints).
-    let (o, t) = unsafe { (std::ptr::read_unaligned(format as *const u32), std::ptr::read_unaligned((format as *const u32).add(1))) };
+    let (o, t) = unsafe {
+        (
+            std::ptr::read_unaligned(format as *const u32),
+            std::ptr::read_unaligned((format as *const u32).add(1)),
+        )
+    };
     image_element_size(o, t).unwrap_or(0)
 }
 
@@ -69,26 +115,61 @@ pub fn image_size(format: *const u8, desc: *const u64) -> u64 {
     // SAFETY: decoded as nine u64 words.
     let d = unsafe { std::slice::from_raw_parts(desc, 9) };
     let ty = d[0] as u32;
-    let (w, h, depth, arr, row_pitch, slice_pitch) = (d[1], d[2].max(1), d[3].max(1), d[4].max(1), d[5], d[6]);
+    let (w, h, depth, arr, row_pitch, slice_pitch) =
+        (d[1], d[2].max(1), d[3].max(1), d[4].max(1), d[5], d[6]);
     let e = elem_size(format);
-    let row = if row_pitch == 0 { w.saturating_mul(e) } else { row_pitch };
-    let r = match ty {
+    let row = if row_pitch == 0 {
+        w.saturating_mul(e)
+    } else {
+        row_pitch
+    };
+    match ty {
         CL_MEM_OBJECT_IMAGE1D | CL_MEM_OBJECT_IMAGE1D_BUFFER => row,
         CL_MEM_OBJECT_IMAGE2D => row.saturating_mul(h),
-        CL_MEM_OBJECT_IMAGE1D_ARRAY => (if slice_pitch == 0 { row } else { slice_pitch }).saturating_mul(arr),
-        CL_MEM_OBJECT_IMAGE2D_ARRAY => (if slice_pitch == 0 { row.saturating_mul(h) } else { slice_pitch }).saturating_mul(arr),
-        _ => (if slice_pitch == 0 { row.saturating_mul(h) } else { slice_pitch }).saturating_mul(depth),
-    };
-    r
+        CL_MEM_OBJECT_IMAGE1D_ARRAY => {
+            (if slice_pitch == 0 { row } else { slice_pitch }).saturating_mul(arr)
+        }
+        CL_MEM_OBJECT_IMAGE2D_ARRAY => (if slice_pitch == 0 {
+            row.saturating_mul(h)
+        } else {
+            slice_pitch
+        })
+        .saturating_mul(arr),
+        _ => (if slice_pitch == 0 {
+            row.saturating_mul(h)
+        } else {
+            slice_pitch
+        })
+        .saturating_mul(depth),
+    }
 }
 
 pub fn image2d_size(format: *const u8, w: u64, h: u64, row_pitch: u64) -> u64 {
-    let row = if row_pitch == 0 { w.saturating_mul(elem_size(format)) } else { row_pitch };
+    let row = if row_pitch == 0 {
+        w.saturating_mul(elem_size(format))
+    } else {
+        row_pitch
+    };
     row.saturating_mul(h)
 }
 
-pub fn image3d_size(format: *const u8, w: u64, h: u64, d: u64, row_pitch: u64, slice_pitch: u64) -> u64 {
-    let row = if row_pitch == 0 { w.saturating_mul(elem_size(format)) } else { row_pitch };
-    let slice = if slice_pitch == 0 { row.saturating_mul(h) } else { slice_pitch };
+pub fn image3d_size(
+    format: *const u8,
+    w: u64,
+    h: u64,
+    d: u64,
+    row_pitch: u64,
+    slice_pitch: u64,
+) -> u64 {
+    let row = if row_pitch == 0 {
+        w.saturating_mul(elem_size(format))
+    } else {
+        row_pitch
+    };
+    let slice = if slice_pitch == 0 {
+        row.saturating_mul(h)
+    } else {
+        slice_pitch
+    };
     slice.saturating_mul(d)
 }

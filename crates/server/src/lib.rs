@@ -16,10 +16,10 @@ pub use serve::{main_from_env, serve_control};
 #[allow(clippy::all, clippy::undocumented_unsafe_blocks, missing_docs)]
 mod generated {
     use crate::ctx::{Ctx, Fail};
+    use crate::hira_spec_callback::CallbackKind;
     use crate::{custom, expr};
     use hira_opencl::cl::*;
     use hira_opencl::*;
-    use crate::hira_spec_callback::CallbackKind;
     use hira_wire::{Reader, Writer};
     use std::ffi::c_void;
     include!(concat!(env!("OUT_DIR"), "/server.rs"));

@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 /// Entry point of `hira server`: the control socket is the fd in HIRA_CONTROL_FD.
 pub fn main_from_env() -> anyhow::Result<()> {
-    let fd: i32 = std::env::var("HIRA_CONTROL_FD").context("HIRA_CONTROL_FD not set")?.parse()?;
+    let fd: i32 = std::env::var("HIRA_CONTROL_FD")
+        .context("HIRA_CONTROL_FD not set")?
+        .parse()?;
     // SAFETY: the router passed this fd to us and nothing else owns it.
     let conn = Conn::from_owned(unsafe { OwnedFd::from_raw_fd(fd) });
     serve_control(conn)
@@ -22,7 +24,8 @@ pub fn main_from_env() -> anyhow::Result<()> {
 fn load_api() -> anyhow::Result<&'static Api> {
     let name = std::env::var("HIRA_VENDOR_LIB").unwrap_or_else(|_| "libOpenCL.so.1".into());
     // SAFETY: loading the system's OpenCL loader runs its initialisers, which is the point.
-    let lib = unsafe { libloading::Library::new(&name) }.with_context(|| format!("loading {name}"))?;
+    let lib =
+        unsafe { libloading::Library::new(&name) }.with_context(|| format!("loading {name}"))?;
     let lib: &'static libloading::Library = Box::leak(Box::new(lib));
     let api: &'static Api = Box::leak(Box::new(Api::load(lib)));
     crate::expr::set_api(api);
@@ -33,9 +36,11 @@ fn load_api() -> anyhow::Result<&'static Api> {
 pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
     let api = load_api()?;
     let shared = Shared::new(api);
-    let usage_conn = control_conn.try_clone()?;
+    *shared.control.lock().unwrap_or_else(|e| e.into_inner()) = Some(control_conn.try_clone()?);
     let usage_shared = shared.clone();
-    std::thread::Builder::new().name("usage".into()).spawn(move || report_usage(usage_conn, usage_shared))?;
+    std::thread::Builder::new()
+        .name("usage".into())
+        .spawn(move || report_usage(usage_shared))?;
     let mut reader = FrameReader::new(control_conn);
     while let Some(frame) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)? {
         let h = Header::parse(frame)?;
@@ -47,7 +52,9 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
         let (conn_id, role, shm_len) = (r.u64()?, r.u32()?, r.u64()?);
         let sock = reader.take_fd().context("ATTACH without a socket")?;
         let shm = if shm_len > 0 {
-            let fd = reader.take_fd().context("ATTACH without its shared memory")?;
+            let fd = reader
+                .take_fd()
+                .context("ATTACH without its shared memory")?;
             Some(ShmRegion::from_fd(fd, shm_len as usize)?)
         } else {
             None
@@ -70,11 +77,15 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn report_usage(conn: Conn, shared: Arc<Shared>) {
+fn report_usage(shared: Arc<Shared>) {
     let mut last = (u64::MAX, u64::MAX, u64::MAX);
     loop {
         std::thread::sleep(std::time::Duration::from_millis(100));
-        let now = (shared.device_ns.load(Ordering::Relaxed), shared.mem_bytes.load(Ordering::Relaxed), shared.objects());
+        let now = (
+            shared.device_ns.load(Ordering::Relaxed),
+            shared.mem_bytes.load(Ordering::Relaxed),
+            shared.objects(),
+        );
         if now == last {
             continue;
         }
@@ -85,7 +96,12 @@ fn report_usage(conn: Conn, shared: Arc<Shared>) {
         w.u64(now.2);
         let len = w.buf.len() - HEADER_LEN;
         Header::new(Kind::Control, control::USAGE, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
-        if conn.send(&w.buf, &[]).is_err() {
+        // One writer at a time on the control socket (kernel completions share it).
+        let control = shared.control.lock().unwrap_or_else(|e| e.into_inner());
+        if control
+            .as_ref()
+            .is_none_or(|c| c.send(&w.buf, &[]).is_err())
+        {
             return;
         }
     }
@@ -126,13 +142,19 @@ fn shadow(conn: Conn, mut cx: Ctx) -> anyhow::Result<()> {
         };
         if is_async {
             let code = match &result {
-                Ok(w) if w.buf.len() >= 4 => i32::from_le_bytes([w.buf[0], w.buf[1], w.buf[2], w.buf[3]]),
+                Ok(w) if w.buf.len() >= 4 => {
+                    i32::from_le_bytes([w.buf[0], w.buf[1], w.buf[2], w.buf[3]])
+                }
                 Ok(_) => 0,
                 Err(e) => e.code(),
             };
             if code != CL_SUCCESS && deferred == 0 {
                 let name = hira_opencl::op(h.opcode).map_or("?", |o| o.name);
-                tracing::info!(op = name, code, "asynchronous call failed; reported at the next sync call");
+                tracing::info!(
+                    op = name,
+                    code,
+                    "asynchronous call failed; reported at the next sync call"
+                );
                 deferred = code;
             }
             continue;

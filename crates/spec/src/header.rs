@@ -25,17 +25,23 @@ pub fn prototypes(header: &str) -> Vec<Prototype> {
     let cleaned = strip_block_comments(&cleaned);
     let mut out = Vec::new();
     for stmt in cleaned.split(';') {
-        let Some(at) = stmt.find("CL_API_ENTRY") else { continue };
+        let Some(at) = stmt.find("CL_API_ENTRY") else {
+            continue;
+        };
         let body = &stmt[at..];
         if !body.contains("CL_API_CALL") || body.contains("typedef") {
             continue;
         }
         let words: Vec<&str> = body
             .split_whitespace()
-            .filter(|w| !NOISE.contains(w) && !w.starts_with("CL_API_SUFFIX") && !w.starts_with("CL_EXT_"))
+            .filter(|w| {
+                !NOISE.contains(w) && !w.starts_with("CL_API_SUFFIX") && !w.starts_with("CL_EXT_")
+            })
             .collect();
         let text = words.join(" ").replace("( ", "(").replace(" )", ")");
-        let Ok(toks) = lex(&text.replace(['&', '.', ':'], " ")) else { continue };
+        let Ok(toks) = lex(&text.replace(['&', '.', ':'], " ")) else {
+            continue;
+        };
         let name = toks.windows(2).find_map(|w| match (&w[0].tok, &w[1].tok) {
             (Tok::Ident(n), Tok::Punct('(')) => Some(n.clone()),
             _ => None,
@@ -52,7 +58,9 @@ fn strip_block_comments(s: &str) -> String {
     let mut rest = s;
     while let Some(i) = rest.find("/*") {
         out.push_str(&rest[..i]);
-        rest = rest[i + 2..].find("*/").map_or("", |j| &rest[i + 2 + j + 2..]);
+        rest = rest[i + 2..]
+            .find("*/")
+            .map_or("", |j| &rest[i + 2 + j + 2..]);
     }
     out.push_str(rest);
     out

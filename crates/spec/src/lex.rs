@@ -31,8 +31,13 @@ pub fn lex(src: &str) -> Result<Vec<Token>> {
                 while p < b.len() && ((b[p] as char).is_ascii_alphanumeric() || b[p] == b'_') {
                     p += 1;
                 }
-                out.push(Token { tok: Tok::Ident(text[s..p].to_string()), line });
-            } else if c.is_ascii_digit() || (c == '-' && p + 1 < b.len() && b[p + 1].is_ascii_digit()) {
+                out.push(Token {
+                    tok: Tok::Ident(text[s..p].to_string()),
+                    line,
+                });
+            } else if c.is_ascii_digit()
+                || (c == '-' && p + 1 < b.len() && b[p + 1].is_ascii_digit())
+            {
                 let s = p;
                 p += 1;
                 while p < b.len() && (b[p] as char).is_ascii_alphanumeric() {
@@ -44,13 +49,25 @@ pub fn lex(src: &str) -> Result<Vec<Token>> {
                     Some(hex) => i64::from_str_radix(hex, 16),
                     None => body.trim_end_matches(['u', 'U', 'l', 'L']).parse::<i64>(),
                 }
-                .map_err(|e| Error::Syntax { line, msg: format!("bad number {t}: {e}") })?;
-                out.push(Token { tok: Tok::Num(if neg { -v } else { v }), line });
+                .map_err(|e| Error::Syntax {
+                    line,
+                    msg: format!("bad number {t}: {e}"),
+                })?;
+                out.push(Token {
+                    tok: Tok::Num(if neg { -v } else { v }),
+                    line,
+                });
             } else if "()[]{},;*=+".contains(c) {
-                out.push(Token { tok: Tok::Punct(c), line });
+                out.push(Token {
+                    tok: Tok::Punct(c),
+                    line,
+                });
                 p += 1;
             } else {
-                return Err(Error::Syntax { line, msg: format!("unexpected character {c:?}") });
+                return Err(Error::Syntax {
+                    line,
+                    msg: format!("unexpected character {c:?}"),
+                });
             }
         }
     }

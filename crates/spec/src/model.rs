@@ -74,7 +74,10 @@ pub enum ParamKind {
     /// NUL-terminated string.
     String,
     /// `n` strings or byte buffers; `lengths` names the lengths parameter, if any.
-    Strings { count: Expr, lengths: Option<String> },
+    Strings {
+        count: Expr,
+        lengths: Option<String>,
+    },
     /// Zero-terminated property list; `context` translates CL_CONTEXT_PLATFORM.
     Properties { context: bool },
     /// Host pointer read only when the flags ask for USE/COPY_HOST_PTR.
@@ -86,7 +89,10 @@ pub enum ParamKind {
     /// The errcode_ret out parameter.
     Errcode,
     /// A callback function pointer and the parameter that is its user data.
-    Callback { kind: CallbackKind, user_data: String },
+    Callback {
+        kind: CallbackKind,
+        user_data: String,
+    },
     /// User data consumed by a callback.
     UserData,
 }

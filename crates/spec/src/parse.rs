@@ -11,10 +11,16 @@ struct P {
 
 impl P {
     fn line(&self) -> usize {
-        self.toks.get(self.pos).or(self.toks.last()).map_or(0, |t| t.line)
+        self.toks
+            .get(self.pos)
+            .or(self.toks.last())
+            .map_or(0, |t| t.line)
     }
     fn err<T>(&self, msg: impl Into<String>) -> Result<T> {
-        Err(Error::Syntax { line: self.line(), msg: msg.into() })
+        Err(Error::Syntax {
+            line: self.line(),
+            msg: msg.into(),
+        })
     }
     fn peek(&self) -> Option<&Tok> {
         self.toks.get(self.pos).map(|t| &t.tok)
@@ -149,19 +155,32 @@ impl P {
         }
         let name = words.pop().expect("checked: at least two words");
         let base = words.join("_");
-        Ok((CType { base, ptrs, is_const }, name))
+        Ok((
+            CType {
+                base,
+                ptrs,
+                is_const,
+            },
+            name,
+        ))
     }
 }
 
 fn arg_var(f: &str, args: &[Expr], i: usize) -> Result<String> {
     match args.get(i) {
         Some(Expr::Var(v)) => Ok(v.clone()),
-        other => Err(Error::Semantic { func: f.into(), msg: format!("expected a name, found {other:?}") }),
+        other => Err(Error::Semantic {
+            func: f.into(),
+            msg: format!("expected a name, found {other:?}"),
+        }),
     }
 }
 
 fn arg_expr(f: &str, args: &[Expr], i: usize) -> Result<Expr> {
-    args.get(i).cloned().ok_or_else(|| Error::Semantic { func: f.into(), msg: "missing argument".into() })
+    args.get(i).cloned().ok_or_else(|| Error::Semantic {
+        func: f.into(),
+        msg: "missing argument".into(),
+    })
 }
 
 fn param_kind(func: &str, ty: &CType, descs: &[(String, Vec<Expr>)]) -> Result<ParamKind> {
@@ -173,7 +192,10 @@ fn param_kind(func: &str, ty: &CType, descs: &[(String, Vec<Expr>)]) -> Result<P
             "element" => ParamKind::InElement,
             "array" if out => ParamKind::OutArray(arg_expr(func, args, 0)?),
             "array" => ParamKind::InArray(arg_expr(func, args, 0)?),
-            "buffer" if out => ParamKind::OutBuffer { len: arg_expr(func, args, 0)?, info: has("info") },
+            "buffer" if out => ParamKind::OutBuffer {
+                len: arg_expr(func, args, 0)?,
+                info: has("info"),
+            },
             "buffer" => ParamKind::InBuffer(arg_expr(func, args, 0)?),
             "string" => ParamKind::String,
             "strings" => {
@@ -186,7 +208,10 @@ fn param_kind(func: &str, ty: &CType, descs: &[(String, Vec<Expr>)]) -> Result<P
             "properties" => ParamKind::Properties {
                 context: matches!(args.first(), Some(Expr::Var(v)) if v == "context"),
             },
-            "host_buffer" => ParamKind::HostBuffer { flags: arg_var(func, args, 0)?, len: arg_expr(func, args, 1)? },
+            "host_buffer" => ParamKind::HostBuffer {
+                flags: arg_var(func, args, 0)?,
+                len: arg_expr(func, args, 1)?,
+            },
             "image_desc" => ParamKind::ImageDesc,
             "kernel_arg" => ParamKind::KernelArg(arg_expr(func, args, 0)?),
             "errcode" => ParamKind::Errcode,
@@ -198,13 +223,24 @@ fn param_kind(func: &str, ty: &CType, descs: &[(String, Vec<Expr>)]) -> Result<P
                     "event_notify" => CallbackKind::EventNotify,
                     "object_notify" => CallbackKind::ObjectNotify,
                     other => {
-                        return Err(Error::Semantic { func: func.into(), msg: format!("unknown callback kind {other}") })
+                        return Err(Error::Semantic {
+                            func: func.into(),
+                            msg: format!("unknown callback kind {other}"),
+                        })
                     }
                 };
-                ParamKind::Callback { kind, user_data: arg_var(func, args, 1)? }
+                ParamKind::Callback {
+                    kind,
+                    user_data: arg_var(func, args, 1)?,
+                }
             }
             "in" | "out" | "info" => continue,
-            other => return Err(Error::Semantic { func: func.into(), msg: format!("unknown descriptor {other}") }),
+            other => {
+                return Err(Error::Semantic {
+                    func: func.into(),
+                    msg: format!("unknown descriptor {other}"),
+                })
+            }
         };
         return Ok(k);
     }
@@ -225,7 +261,11 @@ fn function(p: &mut P, opcode: u16) -> Result<Function> {
         let (ty, pname) = p.typed_name()?;
         let descs = p.descriptors()?;
         let kind = param_kind(&name, &ty, &descs)?;
-        params.push(Param { name: pname, ty, kind });
+        params.push(Param {
+            name: pname,
+            ty,
+            kind,
+        });
         p.eat(',');
     }
     let mut f = Function {
@@ -249,7 +289,11 @@ fn function(p: &mut P, opcode: u16) -> Result<Function> {
             "async" => f.forward = Forward::Async,
             "async_unless" => f.forward = Forward::AsyncUnless(arg_var(&f.name, &args, 0)?),
             "unsupported" => {
-                let e = args.first().map_or(Ok("CL_INVALID_OPERATION".to_string()), |_| arg_var(&f.name, &args, 0))?;
+                let e = args
+                    .first()
+                    .map_or(Ok("CL_INVALID_OPERATION".to_string()), |_| {
+                        arg_var(&f.name, &args, 0)
+                    })?;
                 f.forward = Forward::Unsupported(e)
             }
             "guest_only" => f.forward = Forward::GuestOnly,
@@ -261,7 +305,12 @@ fn function(p: &mut P, opcode: u16) -> Result<Function> {
             "releases" => f.releases = true,
             "allocates" => f.allocates = Some(arg_expr(&f.name, &args, 0)?),
             "device_time" => f.device_time = true,
-            other => return Err(Error::Semantic { func: f.name, msg: format!("unknown function descriptor {other}") }),
+            other => {
+                return Err(Error::Semantic {
+                    func: f.name,
+                    msg: format!("unknown function descriptor {other}"),
+                })
+            }
         }
     }
     p.expect(';')?;
@@ -270,7 +319,10 @@ fn function(p: &mut P, opcode: u16) -> Result<Function> {
 
 /// Parse a spec and check that every name it uses is declared.
 pub fn parse(src: &str) -> Result<Spec> {
-    let mut p = P { toks: lex(src)?, pos: 0 };
+    let mut p = P {
+        toks: lex(src)?,
+        pos: 0,
+    };
     let mut spec = Spec::default();
     while let Some(tok) = p.peek().cloned() {
         match tok {
@@ -282,7 +334,12 @@ pub fn parse(src: &str) -> Result<Spec> {
                 p.expect('=')?;
                 let invalid = p.num()? as i32;
                 p.expect(';')?;
-                spec.handles.push(HandleType { ctype, kind, invalid_name, invalid });
+                spec.handles.push(HandleType {
+                    ctype,
+                    kind,
+                    invalid_name,
+                    invalid,
+                });
             }
             Tok::Ident(w) if w == "scalar" => {
                 p.pos += 1;
@@ -305,7 +362,13 @@ pub fn parse(src: &str) -> Result<Spec> {
                 };
                 let ctype = p.ident()?;
                 p.expect(';')?;
-                spec.infos.push(InfoDecl { function, value, name, mode, ctype });
+                spec.infos.push(InfoDecl {
+                    function,
+                    value,
+                    name,
+                    mode,
+                    ctype,
+                });
             }
             Tok::Ident(w) if w == "dispatch" => {
                 p.pos += 1;
@@ -315,10 +378,11 @@ pub fn parse(src: &str) -> Result<Spec> {
                 }
             }
             _ => {
-                let opcode = u16::try_from(spec.functions.len() + 1).map_err(|_| Error::Syntax {
-                    line: p.line(),
-                    msg: "too many functions".into(),
-                })?;
+                let opcode =
+                    u16::try_from(spec.functions.len() + 1).map_err(|_| Error::Syntax {
+                        line: p.line(),
+                        msg: "too many functions".into(),
+                    })?;
                 let f = function(&mut p, opcode)?;
                 spec.functions.push(f);
             }
@@ -329,7 +393,12 @@ pub fn parse(src: &str) -> Result<Spec> {
 }
 
 fn check(spec: &Spec) -> Result<()> {
-    let sem = |f: &Function, msg: String| Err(Error::Semantic { func: f.name.clone(), msg });
+    let sem = |f: &Function, msg: String| {
+        Err(Error::Semantic {
+            func: f.name.clone(),
+            msg,
+        })
+    };
     for f in &spec.functions {
         for t in std::iter::once(&f.ret).chain(f.params.iter().map(|p| &p.ty)) {
             if spec.size_of(&t.base).is_none() {
@@ -342,7 +411,10 @@ fn check(spec: &Spec) -> Result<()> {
         for p in &f.params {
             let mut vars = Vec::new();
             match &p.kind {
-                ParamKind::InArray(e) | ParamKind::OutArray(e) | ParamKind::InBuffer(e) | ParamKind::KernelArg(e) => e.vars(&mut vars),
+                ParamKind::InArray(e)
+                | ParamKind::OutArray(e)
+                | ParamKind::InBuffer(e)
+                | ParamKind::KernelArg(e) => e.vars(&mut vars),
                 ParamKind::OutBuffer { len, .. } => len.vars(&mut vars),
                 ParamKind::HostBuffer { flags, len } => {
                     vars.push(flags.clone());
@@ -370,12 +442,18 @@ fn check(spec: &Spec) -> Result<()> {
     }
     for name in &spec.dispatch {
         if spec.function(name).is_none() {
-            return Err(Error::Semantic { func: name.clone(), msg: "in dispatch but not declared".into() });
+            return Err(Error::Semantic {
+                func: name.clone(),
+                msg: "in dispatch but not declared".into(),
+            });
         }
     }
     for i in &spec.infos {
         if spec.function(&i.function).is_none() {
-            return Err(Error::Semantic { func: i.function.clone(), msg: "info for an undeclared function".into() });
+            return Err(Error::Semantic {
+                func: i.function.clone(),
+                msg: "info for an undeclared function".into(),
+            });
         }
     }
     Ok(())
@@ -404,10 +482,17 @@ mod tests {
         assert_eq!(f.opcode, 1);
         assert_eq!(
             f.params[3].kind,
-            ParamKind::OutBuffer { len: Expr::Var("param_value_size".into()), info: true }
+            ParamKind::OutBuffer {
+                len: Expr::Var("param_value_size".into()),
+                info: true
+            }
         );
         assert_eq!(f.params[4].kind, ParamKind::OutElement);
-        assert_eq!(spec.function("clReleaseMemObject").map(|f| f.forward.clone()), Some(Forward::Async));
+        assert_eq!(
+            spec.function("clReleaseMemObject")
+                .map(|f| f.forward.clone()),
+            Some(Forward::Async)
+        );
         assert_eq!(spec.handle("cl_mem").map(|h| h.invalid), Some(-38));
     }
 

@@ -134,7 +134,10 @@ impl<'a> Reader<'a> {
                 self.pos = end;
                 Ok(s)
             }
-            None => Err(Error::Truncated { at: self.pos, wanted: n }),
+            None => Err(Error::Truncated {
+                at: self.pos,
+                wanted: n,
+            }),
         }
     }
 
@@ -168,7 +171,10 @@ impl<'a> Reader<'a> {
         match self.u8()? {
             TAG_NULL => Ok(Blob::Null),
             TAG_INLINE => Ok(Blob::Inline(self.bytes()?)),
-            TAG_SHM => Ok(Blob::Shm { offset: self.u64()?, len: self.u64()? }),
+            TAG_SHM => Ok(Blob::Shm {
+                offset: self.u64()?,
+                len: self.u64()?,
+            }),
             t => Err(Error::BadTag(t)),
         }
     }
@@ -176,7 +182,10 @@ impl<'a> Reader<'a> {
         match self.u8()? {
             TAG_NULL => Ok(OutSpec::Null),
             TAG_INLINE => Ok(OutSpec::Inline { len: self.u64()? }),
-            TAG_SHM => Ok(OutSpec::Shm { offset: self.u64()?, len: self.u64()? }),
+            TAG_SHM => Ok(OutSpec::Shm {
+                offset: self.u64()?,
+                len: self.u64()?,
+            }),
             t => Err(Error::BadTag(t)),
         }
     }

@@ -108,7 +108,10 @@ impl Header {
     /// `HEADER_LEN..=MAX_FRAME`. This is the only way bytes become a `Header`.
     pub fn parse(b: &[u8]) -> Result<Header> {
         if b.len() < HEADER_LEN {
-            return Err(Error::Truncated { at: b.len(), wanted: HEADER_LEN });
+            return Err(Error::Truncated {
+                at: b.len(),
+                wanted: HEADER_LEN,
+            });
         }
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
@@ -143,7 +146,9 @@ impl Header {
 
     /// Length of the whole frame whose header starts `b`, for a frame reader.
     pub fn frame_len(b: &[u8]) -> std::result::Result<usize, String> {
-        Header::parse(b).map(|h| h.len as usize).map_err(|e| e.to_string())
+        Header::parse(b)
+            .map(|h| h.len as usize)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -191,7 +196,10 @@ mod tests {
     fn truncated_header_is_refused() {
         let b = Header::new(Kind::Request, 1, 1, 0).to_bytes();
 
-        assert!(matches!(Header::parse(&b[..10]), Err(Error::Truncated { .. })));
+        assert!(matches!(
+            Header::parse(&b[..10]),
+            Err(Error::Truncated { .. })
+        ));
     }
 
     proptest::proptest! {

@@ -58,6 +58,11 @@ pub mod control {
     /// stopped. Payload: OpenCL error code i32.
     pub const FAILED: u16 = 7;
 
+    /// Server → router over the control socket: one device-time command (a kernel launch)
+    /// completed. Payload: device ns u64 (profiling START..END, or wall clock from enqueue
+    /// when the device cannot tell), measured u8 (1 = by the device).
+    pub const DONE: u16 = 8;
+
     /// Connection roles carried by HELLO.
     pub const ROLE_CALLS: u32 = 1;
     /// The connection on which the server delivers callbacks to the guest.
