@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the OpenCL test programs and diff their output natively vs under hira.
 #
-#   scripts/programs.sh [--native-only]
+#   scripts/programs.sh [--native-only] [--build-only]
 #
 # Programs:
 #   tests/programs/c/*.c      -> target/programs/<name>   (cc -O2 x.c -lOpenCL -lpthread)
@@ -25,9 +25,11 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 
 NATIVE_ONLY=0
+BUILD_ONLY=0
 for arg in "$@"; do
     case "$arg" in
         --native-only) NATIVE_ONLY=1 ;;
+        --build-only) BUILD_ONLY=1 ;;
         -h|--help) sed -n 2,22p "$0"; exit 0 ;;
         *) echo "programs.sh: unknown argument: $arg" >&2; exit 2 ;;
     esac
@@ -40,7 +42,7 @@ OUT="$REPO/target/programs"
 LOGS="$OUT/out"
 mkdir -p "$OUT" "$LOGS"
 
-if [ "$NATIVE_ONLY" = 0 ] && [ ! -x "$HIRA" ]; then
+if [ "$NATIVE_ONLY" = 0 ] && [ "$BUILD_ONLY" = 0 ] && [ ! -x "$HIRA" ]; then
     echo "programs.sh: hira binary not found at $HIRA (build it or pass --native-only)" >&2
     exit 1
 fi
@@ -61,6 +63,7 @@ cargo build --release --quiet --manifest-path "$REPO/examples/rust-opencl3/Cargo
     --target-dir "$OUT/rust"
 names+=("rust-opencl3")
 bins+=("$OUT/rust/release/hira-example-opencl3")
+[ "$BUILD_ONLY" = 1 ] && exit 0
 
 # ------------------------------------------------------------------ run
 # run_one <label> <name> <cmd...>: writes $LOGS/<name>.<label>.{out,err}, returns rc

@@ -37,6 +37,7 @@ pub fn table(spec: &Spec, headers: &[(String, Vec<Prototype>)]) -> String {
                             Custom::None => "",
                             Custom::Server => "; server half hand-written",
                             Custom::Both => "; hand-written",
+                            Custom::Guest => "; guest wrapper hand-written",
                         };
                         format!("{mode}{custom}")
                     }

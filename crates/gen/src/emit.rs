@@ -453,7 +453,9 @@ pub fn guest(spec: &Spec) -> String {
     }
     let where_is = |name: &str| -> String {
         let f = spec.function(name).expect("checked by the parser");
-        if f.custom == Custom::Both || matches!(f.forward, Forward::GuestOnly) {
+        if matches!(f.custom, Custom::Both | Custom::Guest)
+            || matches!(f.forward, Forward::GuestOnly)
+        {
             format!("custom::{name}")
         } else {
             format!("stubs::{name}")
@@ -788,7 +790,7 @@ pub fn server(spec: &Spec) -> String {
     let _ = writeln!(s, "        }}\n    }}\n}}");
     let _ = writeln!(s, "#[allow(non_snake_case, unused_mut, unused_variables, unused_parens, clippy::all)]\npub mod handlers {{\nuse super::*;");
     for f in &spec.functions {
-        if !f.is_forwarded() || f.custom != Custom::None {
+        if !f.is_forwarded() || !matches!(f.custom, Custom::None | Custom::Guest) {
             continue;
         }
         s.push_str(&server_handler(spec, f));
@@ -799,7 +801,7 @@ pub fn server(spec: &Spec) -> String {
         if !f.is_forwarded() {
             continue;
         }
-        let target = if f.custom == Custom::None {
+        let target = if matches!(f.custom, Custom::None | Custom::Guest) {
             format!("handlers::h_{}", f.name)
         } else {
             format!("custom::h_{}", f.name)

@@ -83,6 +83,8 @@ fn listen(mut conn: Connection) {
                 let (Ok(ev), Ok(status)) = (r.u64(), r.i32()) else {
                     continue;
                 };
+                // The event may be a staged read's: its data must be in place first.
+                crate::staged::drain();
                 // SAFETY: the application registered this function with this signature.
                 let f: extern "C" fn(*mut c_void, i32, *mut c_void) =
                     unsafe { std::mem::transmute(pfn) };

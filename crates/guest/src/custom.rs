@@ -10,6 +10,8 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::{Mutex, OnceLock};
 
+pub use crate::staged::clEnqueueReadBuffer;
+
 const CL_PLATFORM_NOT_FOUND_KHR: i32 = -1001;
 
 /// # Safety

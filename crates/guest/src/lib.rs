@@ -8,6 +8,7 @@
 mod callbacks;
 mod custom;
 mod rt;
+mod staged;
 
 use std::ffi::{c_char, c_void};
 

@@ -803,6 +803,9 @@ impl Reply {
     /// The call's status; a synchronizing call (finish, wait, blocking transfer) that
     /// succeeded reports the first error of an earlier asynchronous call instead.
     pub fn status(&self, ret: i32) -> Result<i32, i32> {
+        if ret == CL_SUCCESS && crate::staged::drains_after(self.op) {
+            crate::staged::drain();
+        }
         if ret != CL_SUCCESS || !is_synchronizing(self.op) {
             return Ok(ret);
         }

@@ -71,6 +71,8 @@ pub struct Shared {
     pub mem_bytes: AtomicU64,
     /// The control socket to the router (kernel completions go there).
     pub control: Mutex<Option<Conn>>,
+    /// Staged non-blocking reads: guest-chosen id → (data, event).
+    staged_reads: Mutex<HashMap<u64, (Vec<u8>, usize)>>,
 }
 
 impl Shared {
@@ -83,6 +85,7 @@ impl Shared {
             device_ns_reported: AtomicU64::new(0),
             mem_bytes: AtomicU64::new(0),
             control: Mutex::new(None),
+            staged_reads: Mutex::new(HashMap::new()),
         })
     }
 
@@ -640,6 +643,67 @@ impl Ctx {
             put_u64(b, i, id);
         }
         Ok(())
+    }
+
+    /// Keep a non-blocking read's destination until the guest fetches it.
+    pub(crate) fn stage(&self, id: u64, data: Vec<u8>, ev: *mut c_void) -> Result<(), Fail> {
+        let mut st = self
+            .shared
+            .staged_reads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if st.len() > 4096 || st.contains_key(&id) {
+            return Err(Fail::Cl(CL_OUT_OF_RESOURCES));
+        }
+        st.insert(id, (data, ev as usize));
+        Ok(())
+    }
+
+    /// Copy a completed staged read into `out`: CL_SUCCESS, the command's error, or 1 (running).
+    pub(crate) fn fetch_staged(&self, id: u64, out: &mut OutBuf, size: u64) -> Result<i32, Fail> {
+        let mut st = self
+            .shared
+            .staged_reads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let (data, ev) = st.get(&id).ok_or(Fail::Cl(CL_INVALID_VALUE))?;
+        let ev = *ev as *mut c_void;
+        let info = self
+            .api
+            .clGetEventInfo
+            .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+        let mut status: i32 = 1;
+        // SAFETY: the staging entry holds a reference to this event; 4-byte output.
+        let r = unsafe {
+            info(
+                ev,
+                0x11D3,
+                4,
+                &mut status as *mut i32 as *mut c_void,
+                std::ptr::null_mut(),
+            )
+        };
+        if r != CL_SUCCESS {
+            return Err(Fail::Cl(r));
+        }
+        if status > 0 {
+            return Ok(1);
+        }
+        if status == CL_COMPLETE {
+            let n = (data.len() as u64).min(size) as usize;
+            // SAFETY: out has at least `size` bytes (checked by Ctx::out).
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), out.ptr() as *mut u8, n) };
+        }
+        st.remove(&id);
+        if let Some(rel) = self.api.clReleaseEvent {
+            // SAFETY: dropping the staging entry's reference.
+            unsafe { rel(ev) };
+        }
+        Ok(if status == CL_COMPLETE {
+            CL_SUCCESS
+        } else {
+            status
+        })
     }
 
     /// Where the vendor writes an info result: nowhere for results the guest answers itself

@@ -178,3 +178,68 @@ pub fn h_clEnqueueMapImage(_cx: &mut Ctx, _r: &mut Reader<'_>) -> Result<Writer,
 pub fn h_clEnqueueUnmapMemObject(_cx: &mut Ctx, _r: &mut Reader<'_>) -> Result<Writer, Fail> {
     Err(Fail::Cl(CL_INVALID_OPERATION))
 }
+
+/// A non-blocking read into a server-side staging buffer (see the spec).
+pub fn h_hiraEnqueueReadBufferStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    let queue = cx.handle(r.u64()?, K_QUEUE)?;
+    let buffer = cx.handle(r.u64()?, K_MEM)?;
+    let offset = r.u64()? as usize;
+    let size = r.u64()?;
+    let staging = r.u64()?;
+    let nwait = r.u64()? as u32;
+    let wait_b = r.blob()?;
+    let event_id = r.u64()?;
+    r.finish()?;
+    let wait = cx.in_handles(wait_b, u64::from(nwait), K_EVENT)?;
+    if size > 1 << 31 {
+        return Err(Fail::Cl(CL_INVALID_VALUE));
+    }
+    let f = cx
+        .api
+        .clEnqueueReadBuffer
+        .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let mut data = vec![0u8; size as usize];
+    let mut ev: *mut c_void = std::ptr::null_mut();
+    // SAFETY: validated handles; data has `size` bytes and lives in the staging table until
+    // the read completes (fetched or the tenant goes away).
+    let ret = unsafe {
+        f(
+            queue,
+            buffer,
+            CL_FALSE,
+            offset,
+            size as usize,
+            data.as_mut_ptr() as *mut c_void,
+            nwait,
+            wait.ptr(),
+            &mut ev,
+        )
+    };
+    if ret == CL_SUCCESS {
+        if event_id != 0 {
+            if let Some(retain) = cx.api.clRetainEvent {
+                // SAFETY: a live event; the staging entry holds this extra reference.
+                unsafe { retain(ev) };
+            }
+            cx.bind(event_id, ev, K_EVENT)?;
+        }
+        cx.stage(staging, data, ev)?;
+    }
+    let mut w = Writer::default();
+    w.i32(ret);
+    Ok(w)
+}
+
+/// Copy a staged read out once its event completed; 1 while it is still running.
+pub fn h_hiraFetchStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    let staging = r.u64()?;
+    let size = r.u64()?;
+    let o = r.out_spec()?;
+    r.finish()?;
+    let mut out = cx.out(o, size)?;
+    let ret = cx.fetch_staged(staging, &mut out, size)?;
+    let mut w = Writer::default();
+    w.i32(ret);
+    out.emit(&mut w);
+    Ok(w)
+}

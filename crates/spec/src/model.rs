@@ -123,6 +123,8 @@ pub enum Custom {
     None,
     Server,
     Both,
+    /// Generated stub, reached through a hand-written guest wrapper.
+    Guest,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -299,6 +299,7 @@ fn function(p: &mut P, opcode: u16) -> Result<Function> {
             "guest_only" => f.forward = Forward::GuestOnly,
             "custom" => f.custom = Custom::Both,
             "custom_server" => f.custom = Custom::Server,
+            "custom_guest" => f.custom = Custom::Guest,
             "force_blocking" => f.force_blocking = Some(arg_var(&f.name, &args, 0)?),
             "creates" => f.creates = Some(arg_var(&f.name, &args, 0)?),
             "retains" => f.retains = true,
