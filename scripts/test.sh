@@ -6,11 +6,12 @@
 #   4. scripts/pyopencl-suite.sh --ci (pyopencl's own tests, native vs hira)
 # Prints a banner per stage and a final "N passed, M failed" line; exits
 # nonzero if any stage failed. If the build fails, later stages are not run
-# (they are counted as failed). Run scripts/setup.sh once beforehand.
+# (they are counted as failed). Installs what is missing first (scripts/setup.sh).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
+bash scripts/setup.sh
 
 passed=0
 failed=0
@@ -52,10 +53,13 @@ skip() {
 
 if stage "cargo build" cargo build --release --workspace; then
     stage "cargo test" cargo test --release --workspace || true
+    stage "generated coverage table is current" bash -c \
+        'cargo run --release -q -p hira-gen -- coverage | diff -u docs/opencl-coverage.md -' || true
     stage "programs" scripts/programs.sh || true
     stage "pyopencl suite (--ci)" scripts/pyopencl-suite.sh --ci || true
 else
     skip "cargo test"
+    skip "generated coverage table is current"
     skip "programs"
     skip "pyopencl suite (--ci)"
 fi

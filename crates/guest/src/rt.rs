@@ -408,10 +408,10 @@ impl Call {
         for i in 0..n as usize {
             // SAFETY: the caller passes n entries.
             let s = unsafe { *p.add(i) };
-            // SAFETY: lengths, if given, has n entries.
             let given = if lengths.is_null() {
                 0
             } else {
+                // SAFETY: lengths, if given, has n entries.
                 unsafe { *lengths.add(i) }
             };
             let len = if s.is_null() {
@@ -900,18 +900,7 @@ pub mod expr {
         row_pitch: u64,
         slice_pitch: u64,
     ) -> u64 {
-        let (o, r) = (arr3(origin), arr3(region));
-        let row = if row_pitch == 0 { r[0] } else { row_pitch };
-        let slice = if slice_pitch == 0 {
-            row * r[1]
-        } else {
-            slice_pitch
-        };
-        if r.contains(&0) {
-            return 0;
-        }
-        let first = o[2] * slice + o[1] * row + o[0];
-        first + (r[2] - 1) * slice + (r[1] - 1) * row + r[0]
+        rect_bytes(arr3(origin), arr3(region), row_pitch, slice_pitch)
     }
 
     fn image_info(image: *mut c_void, param: u32) -> u64 {
@@ -940,22 +929,12 @@ pub mod expr {
         row_pitch: u64,
         slice_pitch: u64,
     ) -> u64 {
-        let r = arr3(region);
-        let elem = image_info(image, CL_IMAGE_ELEMENT_SIZE);
-        let row = if row_pitch == 0 {
-            r[0] * elem
-        } else {
-            row_pitch
-        };
-        let slice = if slice_pitch == 0 {
-            row * r[1]
-        } else {
-            slice_pitch
-        };
-        if r.contains(&0) {
-            return 0;
-        }
-        (r[2] - 1) * slice + (r[1] - 1) * row + r[0] * elem
+        image_host_bytes(
+            image_info(image, CL_IMAGE_ELEMENT_SIZE),
+            arr3(region),
+            row_pitch,
+            slice_pitch,
+        )
     }
 
     fn elem_size(format: *const u8) -> u64 {
@@ -976,38 +955,17 @@ pub mod expr {
         let d = unsafe { std::slice::from_raw_parts((desc as *const u64).add(1), 6) };
         // SAFETY: image_type is the first u32.
         let ty = unsafe { *(desc as *const u32) };
-        let (w, h, depth, arr, row_pitch, slice_pitch) =
-            (d[0], d[1].max(1), d[2].max(1), d[3].max(1), d[4], d[5]);
-        let e = elem_size(format);
-        let row = if row_pitch == 0 { w * e } else { row_pitch };
-        match ty {
-            CL_MEM_OBJECT_IMAGE1D | CL_MEM_OBJECT_IMAGE1D_BUFFER => row,
-            CL_MEM_OBJECT_IMAGE2D => row * h,
-            CL_MEM_OBJECT_IMAGE1D_ARRAY => (if slice_pitch == 0 { row } else { slice_pitch }) * arr,
-            CL_MEM_OBJECT_IMAGE2D_ARRAY => {
-                (if slice_pitch == 0 {
-                    row * h
-                } else {
-                    slice_pitch
-                }) * arr
-            }
-            _ => {
-                (if slice_pitch == 0 {
-                    row * h
-                } else {
-                    slice_pitch
-                }) * depth
-            }
-        }
+        image_desc_bytes(ty, [d[0], d[1], d[2], d[3]], d[4], d[5], elem_size(format))
     }
 
     pub fn image2d_size(format: *const u8, w: u64, h: u64, row_pitch: u64) -> u64 {
-        let row = if row_pitch == 0 {
-            w * elem_size(format)
-        } else {
-            row_pitch
-        };
-        row * h
+        image_desc_bytes(
+            CL_MEM_OBJECT_IMAGE2D,
+            [w, h, 0, 0],
+            row_pitch,
+            0,
+            elem_size(format),
+        )
     }
 
     pub fn image3d_size(
@@ -1018,16 +976,12 @@ pub mod expr {
         row_pitch: u64,
         slice_pitch: u64,
     ) -> u64 {
-        let row = if row_pitch == 0 {
-            w * elem_size(format)
-        } else {
-            row_pitch
-        };
-        let slice = if slice_pitch == 0 {
-            row * h
-        } else {
-            slice_pitch
-        };
-        slice * d
+        image_desc_bytes(
+            CL_MEM_OBJECT_IMAGE3D,
+            [w, h, d, 0],
+            row_pitch,
+            slice_pitch,
+            elem_size(format),
+        )
     }
 }

@@ -91,3 +91,99 @@ pub fn image_element_size(order: u32, ty: u32) -> Option<u64> {
     };
     Some(channels * bytes)
 }
+
+/// Host bytes a rectangle transfer touches (`clEnqueue{Read,Write}BufferRect`); zero pitches
+/// mean tightly packed, as the API defines.
+pub fn rect_bytes(origin: [u64; 3], region: [u64; 3], row_pitch: u64, slice_pitch: u64) -> u64 {
+    if region.contains(&0) {
+        return 0;
+    }
+    let row = if row_pitch == 0 { region[0] } else { row_pitch };
+    let slice = if slice_pitch == 0 {
+        row.saturating_mul(region[1])
+    } else {
+        slice_pitch
+    };
+    let first = origin[2]
+        .saturating_mul(slice)
+        .saturating_add(origin[1].saturating_mul(row))
+        .saturating_add(origin[0]);
+    first
+        .saturating_add((region[2] - 1).saturating_mul(slice))
+        .saturating_add((region[1] - 1).saturating_mul(row))
+        .saturating_add(region[0])
+}
+
+/// Host bytes of an image read or write of `region` with `elem`-byte pixels.
+pub fn image_host_bytes(elem: u64, region: [u64; 3], row_pitch: u64, slice_pitch: u64) -> u64 {
+    if region.contains(&0) {
+        return 0;
+    }
+    let row = if row_pitch == 0 {
+        region[0].saturating_mul(elem)
+    } else {
+        row_pitch
+    };
+    let slice = if slice_pitch == 0 {
+        row.saturating_mul(region[1])
+    } else {
+        slice_pitch
+    };
+    (region[2] - 1)
+        .saturating_mul(slice)
+        .saturating_add((region[1] - 1).saturating_mul(row))
+        .saturating_add(region[0].saturating_mul(elem))
+}
+
+/// Host bytes behind an image being created from a `cl_image_desc`'s fields.
+pub fn image_desc_bytes(
+    image_type: u32,
+    dims: [u64; 4],
+    row_pitch: u64,
+    slice_pitch: u64,
+    elem: u64,
+) -> u64 {
+    let [w, h, depth, array] = dims;
+    let (h, depth, array) = (h.max(1), depth.max(1), array.max(1));
+    let row = if row_pitch == 0 {
+        w.saturating_mul(elem)
+    } else {
+        row_pitch
+    };
+    let or_slice = |s: u64| if slice_pitch == 0 { s } else { slice_pitch };
+    match image_type {
+        CL_MEM_OBJECT_IMAGE1D | CL_MEM_OBJECT_IMAGE1D_BUFFER => row,
+        CL_MEM_OBJECT_IMAGE2D => row.saturating_mul(h),
+        CL_MEM_OBJECT_IMAGE1D_ARRAY => or_slice(row).saturating_mul(array),
+        CL_MEM_OBJECT_IMAGE2D_ARRAY => or_slice(row.saturating_mul(h)).saturating_mul(array),
+        _ => or_slice(row.saturating_mul(h)).saturating_mul(depth),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_rectangle_is_its_volume() {
+        assert_eq!(rect_bytes([0; 3], [4, 3, 2], 0, 0), 24);
+    }
+
+    #[test]
+    fn rectangle_with_origin_and_pitches_reaches_its_last_byte() {
+        assert_eq!(
+            rect_bytes([1, 1, 1], [2, 2, 2], 8, 32),
+            32 + 8 + 1 + 32 + 8 + 2
+        );
+    }
+
+    #[test]
+    fn image_sizes_follow_the_descriptor() {
+        assert_eq!(
+            image_desc_bytes(CL_MEM_OBJECT_IMAGE2D, [16, 8, 0, 0], 0, 0, 4),
+            512
+        );
+        assert_eq!(image_host_bytes(4, [16, 8, 1], 0, 0), 512);
+        assert_eq!(image_element_size(0x10B5, 0x10DE), Some(16));
+    }
+}

@@ -25,24 +25,7 @@ pub fn rect_size(
     row_pitch: u64,
     slice_pitch: u64,
 ) -> u64 {
-    let (o, r) = (arr3(origin), arr3(region));
-    if r.contains(&0) {
-        return 0;
-    }
-    let row = if row_pitch == 0 { r[0] } else { row_pitch };
-    let slice = if slice_pitch == 0 {
-        row * r[1]
-    } else {
-        slice_pitch
-    };
-    let first = o[2]
-        .saturating_mul(slice)
-        .saturating_add(o[1].saturating_mul(row))
-        .saturating_add(o[0]);
-    first
-        .saturating_add((r[2] - 1).saturating_mul(slice))
-        .saturating_add((r[1] - 1).saturating_mul(row))
-        .saturating_add(r[0])
+    rect_bytes(arr3(origin), arr3(region), row_pitch, slice_pitch)
 }
 
 fn image_elem(image: *mut c_void) -> u64 {
@@ -73,25 +56,7 @@ pub fn image_host_size(
     row_pitch: u64,
     slice_pitch: u64,
 ) -> u64 {
-    let r = arr3(region);
-    if r.contains(&0) {
-        return 0;
-    }
-    let elem = image_elem(image);
-    let row = if row_pitch == 0 {
-        r[0] * elem
-    } else {
-        row_pitch
-    };
-    let slice = if slice_pitch == 0 {
-        row * r[1]
-    } else {
-        slice_pitch
-    };
-    (r[2] - 1)
-        .saturating_mul(slice)
-        .saturating_add((r[1] - 1).saturating_mul(row))
-        .saturating_add(r[0] * elem)
+    image_host_bytes(image_elem(image), arr3(region), row_pitch, slice_pitch)
 }
 
 fn elem_size(format: *const u8) -> u64 {
@@ -114,43 +79,23 @@ pub fn image_size(format: *const u8, desc: *const u64) -> u64 {
     }
     // SAFETY: decoded as nine u64 words.
     let d = unsafe { std::slice::from_raw_parts(desc, 9) };
-    let ty = d[0] as u32;
-    let (w, h, depth, arr, row_pitch, slice_pitch) =
-        (d[1], d[2].max(1), d[3].max(1), d[4].max(1), d[5], d[6]);
-    let e = elem_size(format);
-    let row = if row_pitch == 0 {
-        w.saturating_mul(e)
-    } else {
-        row_pitch
-    };
-    match ty {
-        CL_MEM_OBJECT_IMAGE1D | CL_MEM_OBJECT_IMAGE1D_BUFFER => row,
-        CL_MEM_OBJECT_IMAGE2D => row.saturating_mul(h),
-        CL_MEM_OBJECT_IMAGE1D_ARRAY => {
-            (if slice_pitch == 0 { row } else { slice_pitch }).saturating_mul(arr)
-        }
-        CL_MEM_OBJECT_IMAGE2D_ARRAY => (if slice_pitch == 0 {
-            row.saturating_mul(h)
-        } else {
-            slice_pitch
-        })
-        .saturating_mul(arr),
-        _ => (if slice_pitch == 0 {
-            row.saturating_mul(h)
-        } else {
-            slice_pitch
-        })
-        .saturating_mul(depth),
-    }
+    image_desc_bytes(
+        d[0] as u32,
+        [d[1], d[2], d[3], d[4]],
+        d[5],
+        d[6],
+        elem_size(format),
+    )
 }
 
 pub fn image2d_size(format: *const u8, w: u64, h: u64, row_pitch: u64) -> u64 {
-    let row = if row_pitch == 0 {
-        w.saturating_mul(elem_size(format))
-    } else {
-        row_pitch
-    };
-    row.saturating_mul(h)
+    image_desc_bytes(
+        CL_MEM_OBJECT_IMAGE2D,
+        [w, h, 0, 0],
+        row_pitch,
+        0,
+        elem_size(format),
+    )
 }
 
 pub fn image3d_size(
@@ -161,15 +106,11 @@ pub fn image3d_size(
     row_pitch: u64,
     slice_pitch: u64,
 ) -> u64 {
-    let row = if row_pitch == 0 {
-        w.saturating_mul(elem_size(format))
-    } else {
-        row_pitch
-    };
-    let slice = if slice_pitch == 0 {
-        row.saturating_mul(h)
-    } else {
-        slice_pitch
-    };
-    slice.saturating_mul(d)
+    image_desc_bytes(
+        CL_MEM_OBJECT_IMAGE3D,
+        [w, h, d, 0],
+        row_pitch,
+        slice_pitch,
+        elem_size(format),
+    )
 }

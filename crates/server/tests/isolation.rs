@@ -336,7 +336,7 @@ fn killing_one_tenants_server_mid_kernel_leaves_the_other_correct() {
     let (router, socket) = start_router("kill");
     let n = 1 << 16;
     let mut good = setup(&socket, 1_000_011, &vec![0u8; n * 4]);
-    let mut doomed = setup(&socket, 1_000_012, &vec![0u8; 64]);
+    let mut doomed = setup(&socket, 1_000_012, &[0u8; 64]);
     let add = good.kernel(
         "__kernel void add(__global int *x, int v) { x[get_global_id(0)] += v; }",
         "add",
@@ -404,8 +404,7 @@ fn malformed_payloads_get_errors_and_the_server_carries_on() {
                     seed as u8
                 })
                 .collect();
-            let mut w = Writer::default();
-            w.buf = junk;
+            let w = Writer { buf: junk };
             answers.push(matches!(t.raw.call(op, &w), Answer::Reply(_)));
         }
     }
