@@ -71,6 +71,8 @@ pub struct Shared {
     pub mem_bytes: AtomicU64,
     /// The control socket to the router (kernel completions go there).
     pub control: Mutex<Option<Conn>>,
+    /// The tenant's device-memory quota in bytes (0 = none), as the router set it.
+    pub quota: AtomicU64,
     /// Staged non-blocking reads: guest-chosen id → (data, event).
     staged_reads: Mutex<HashMap<u64, (Vec<u8>, usize)>>,
 }
@@ -86,6 +88,7 @@ impl Shared {
             mem_bytes: AtomicU64::new(0),
             control: Mutex::new(None),
             staged_reads: Mutex::new(HashMap::new()),
+            quota: AtomicU64::new(0),
         })
     }
 

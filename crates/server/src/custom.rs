@@ -29,13 +29,18 @@ pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fai
             size_ret.ptr() as *mut usize,
         )
     };
-    if ret == CL_SUCCESS
-        && param == CL_DEVICE_SVM_CAPABILITIES
-        && size >= 8
-        && !value.ptr().is_null()
-    {
-        // SAFETY: at least 8 bytes.
-        unsafe { *(value.ptr() as *mut u64) = 0 };
+    let quota = cx.shared.quota.load(std::sync::atomic::Ordering::Relaxed);
+    if ret == CL_SUCCESS && size >= 8 && !value.ptr().is_null() {
+        let v = value.ptr() as *mut u64;
+        match param {
+            // SAFETY: at least 8 bytes at v, a cl_bitfield result.
+            CL_DEVICE_SVM_CAPABILITIES => unsafe { *v = 0 },
+            CL_DEVICE_GLOBAL_MEM_SIZE | CL_DEVICE_MAX_MEM_ALLOC_SIZE if quota != 0 => {
+                // SAFETY: at least 8 bytes at v, a cl_ulong result.
+                unsafe { *v = (*v).min(quota) }
+            }
+            _ => {}
+        }
     }
     cx.info_out(OP_CLGETDEVICEINFO, param, &mut value, ret)?;
     let mut w = Writer::default();

@@ -44,6 +44,12 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
     let mut reader = FrameReader::new(control_conn);
     while let Some(frame) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)? {
         let h = Header::parse(frame)?;
+        if h.kind == Kind::Control && h.opcode == control::SET_QUOTA {
+            let q = Reader::new(&frame[HEADER_LEN..]).u64()?;
+            shared.quota.store(q, Ordering::Relaxed);
+            tracing::info!(quota = q, "device-memory quota set");
+            continue;
+        }
         if h.kind != Kind::Control || h.opcode != control::ATTACH {
             tracing::warn!(opcode = h.opcode, "unexpected control frame");
             continue;

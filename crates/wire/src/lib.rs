@@ -63,6 +63,12 @@ pub mod control {
     /// when the device cannot tell), measured u8 (1 = by the device).
     pub const DONE: u16 = 8;
 
+    /// Router → server over the control socket: the tenant's device-memory quota changed.
+    /// Payload: quota bytes u64 (0 = none). The server reports it as the device's
+    /// CL_DEVICE_GLOBAL_MEM_SIZE and caps CL_DEVICE_MAX_MEM_ALLOC_SIZE by it; the router
+    /// enforces it.
+    pub const SET_QUOTA: u16 = 9;
+
     /// Connection roles carried by HELLO.
     pub const ROLE_CALLS: u32 = 1;
     /// The connection on which the server delivers callbacks to the guest.
