@@ -2,6 +2,8 @@
 //! [`worker`] runs the workload against whatever OpenCL the ICD loader finds (the host's, or
 //! hira's when started under `hira run`); [`compare`] runs it both ways and prints the ratio.
 
+pub mod fair;
+
 use anyhow::{bail, Context, Result};
 use hira_server::Api;
 use std::ffi::c_void;
@@ -36,7 +38,8 @@ fn check(what: &str, ret: i32) -> Result<()> {
 
 fn setup() -> Result<Cl> {
     // SAFETY: loading the system ICD loader.
-    let lib = unsafe { libloading::Library::new("libOpenCL.so.1") }.context("loading libOpenCL.so.1")?;
+    let lib =
+        unsafe { libloading::Library::new("libOpenCL.so.1") }.context("loading libOpenCL.so.1")?;
     let lib: &'static libloading::Library = Box::leak(Box::new(lib));
     let api: &'static Api = Box::leak(Box::new(Api::load(lib)));
     let mut platform = std::ptr::null_mut();
@@ -44,10 +47,23 @@ fn setup() -> Result<Cl> {
     let mut err = 0;
     // SAFETY: out-pointers are live locals; counts match.
     unsafe {
-        check("clGetPlatformIDs", api.clGetPlatformIDs.context("clGetPlatformIDs missing")?(1, &mut platform, std::ptr::null_mut()))?;
+        check(
+            "clGetPlatformIDs",
+            api.clGetPlatformIDs.context("clGetPlatformIDs missing")?(
+                1,
+                &mut platform,
+                std::ptr::null_mut(),
+            ),
+        )?;
         check(
             "clGetDeviceIDs",
-            api.clGetDeviceIDs.context("clGetDeviceIDs missing")?(platform, CL_DEVICE_TYPE_ALL, 1, &mut device, std::ptr::null_mut()),
+            api.clGetDeviceIDs.context("clGetDeviceIDs missing")?(
+                platform,
+                CL_DEVICE_TYPE_ALL,
+                1,
+                &mut device,
+                std::ptr::null_mut(),
+            ),
         )?;
         let ctx = api.clCreateContext.context("clCreateContext missing")?(
             std::ptr::null(),
@@ -58,9 +74,16 @@ fn setup() -> Result<Cl> {
             &mut err,
         );
         check("clCreateContext", err)?;
-        let queue = api.clCreateCommandQueue.context("clCreateCommandQueue missing")?(ctx, device, 0, &mut err);
+        let queue = api
+            .clCreateCommandQueue
+            .context("clCreateCommandQueue missing")?(ctx, device, 0, &mut err);
         check("clCreateCommandQueue", err)?;
-        Ok(Cl { api, ctx, queue, device })
+        Ok(Cl {
+            api,
+            ctx,
+            queue,
+            device,
+        })
     }
 }
 
@@ -71,10 +94,21 @@ fn sync_call(cl: &Cl, n: u32) -> Result<Row> {
     for _ in 0..n {
         // SAFETY: 256-byte output.
         check("clGetDeviceInfo", unsafe {
-            f(cl.device, CL_DEVICE_NAME, 256, name.as_mut_ptr() as *mut c_void, std::ptr::null_mut())
+            f(
+                cl.device,
+                CL_DEVICE_NAME,
+                256,
+                name.as_mut_ptr() as *mut c_void,
+                std::ptr::null_mut(),
+            )
         })?;
     }
-    Ok(Row { name: "sync call (clGetDeviceInfo)".into(), value: t.elapsed().as_secs_f64() * 1e6 / n as f64, unit: "us/call", higher_better: false })
+    Ok(Row {
+        name: "sync call (clGetDeviceInfo)".into(),
+        value: t.elapsed().as_secs_f64() * 1e6 / n as f64,
+        unit: "us/call",
+        higher_better: false,
+    })
 }
 
 fn async_stream(cl: &Cl, n: u32) -> Result<Row> {
@@ -84,10 +118,26 @@ fn async_stream(cl: &Cl, n: u32) -> Result<Row> {
     let p = src.as_ptr();
     // SAFETY: one NUL-terminated source; outputs are live locals.
     let kernel = unsafe {
-        let prog = api.clCreateProgramWithSource.context("missing")?(cl.ctx, 1, &p as *const *const u8 as *mut *mut i8, std::ptr::null(), &mut err);
+        let prog = api.clCreateProgramWithSource.context("missing")?(
+            cl.ctx,
+            1,
+            &p as *const *const u8 as *mut *mut i8,
+            std::ptr::null(),
+            &mut err,
+        );
         check("clCreateProgramWithSource", err)?;
-        check("clBuildProgram", api.clBuildProgram.context("missing")?(prog, 0, std::ptr::null(), std::ptr::null(), std::ptr::null_mut(), std::ptr::null_mut()))?;
-        let k = api.clCreateKernel.context("missing")?(prog, b"k\0".as_ptr() as *const i8, &mut err);
+        check(
+            "clBuildProgram",
+            api.clBuildProgram.context("missing")?(
+                prog,
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            ),
+        )?;
+        let k = api.clCreateKernel.context("missing")?(prog, c"k".as_ptr(), &mut err);
         check("clCreateKernel", err)?;
         k
     };
@@ -100,33 +150,82 @@ fn async_stream(cl: &Cl, n: u32) -> Result<Row> {
         let a = i as i32;
         // SAFETY: a 4-byte argument; one work item; no events.
         unsafe {
-            check("clSetKernelArg", set(kernel, 0, 4, &a as *const i32 as *const c_void))?;
-            check("clEnqueueNDRangeKernel", nd(cl.queue, kernel, 1, std::ptr::null(), &global, std::ptr::null(), 0, std::ptr::null(), std::ptr::null_mut()))?;
+            check(
+                "clSetKernelArg",
+                set(kernel, 0, 4, &a as *const i32 as *const c_void),
+            )?;
+            check(
+                "clEnqueueNDRangeKernel",
+                nd(
+                    cl.queue,
+                    kernel,
+                    1,
+                    std::ptr::null(),
+                    &global,
+                    std::ptr::null(),
+                    0,
+                    std::ptr::null(),
+                    std::ptr::null_mut(),
+                ),
+            )?;
         }
     }
     // SAFETY: a live queue.
     check("clFinish", unsafe { finish(cl.queue) })?;
     let per = t.elapsed().as_secs_f64() * 1e6 / (2.0 * n as f64);
-    Ok(Row { name: format!("async call (SetKernelArg+NDRange, {n}x2)"), value: per, unit: "us/call", higher_better: false })
+    Ok(Row {
+        name: format!("async call (SetKernelArg+NDRange, {n}x2)"),
+        value: per,
+        unit: "us/call",
+        higher_better: false,
+    })
 }
 
 fn bandwidth(cl: &Cl, size: usize, write: bool) -> Result<Row> {
     let api = cl.api;
     let mut err = 0;
     // SAFETY: a plain buffer of `size` bytes.
-    let buf = unsafe { api.clCreateBuffer.context("missing")?(cl.ctx, 1, size, std::ptr::null_mut(), &mut err) };
+    let buf = unsafe {
+        api.clCreateBuffer.context("missing")?(cl.ctx, 1, size, std::ptr::null_mut(), &mut err)
+    };
     check("clCreateBuffer", err)?;
     let mut host = vec![1u8; size];
     let reps = ((256usize << 20) / size).clamp(3, 2000);
-    let rw = if write { api.clEnqueueWriteBuffer.context("missing")? } else { api.clEnqueueWriteBuffer.context("missing")? };
+    let wr = api.clEnqueueWriteBuffer.context("missing")?;
     let rd = api.clEnqueueReadBuffer.context("missing")?;
     let run = |host: &mut Vec<u8>| -> Result<()> {
         // SAFETY: host has `size` bytes; blocking transfer.
         unsafe {
             if write {
-                check("write", rw(cl.queue, buf, 1, 0, size, host.as_ptr() as *const c_void, 0, std::ptr::null(), std::ptr::null_mut()))
+                check(
+                    "write",
+                    wr(
+                        cl.queue,
+                        buf,
+                        1,
+                        0,
+                        size,
+                        host.as_ptr() as *const c_void,
+                        0,
+                        std::ptr::null(),
+                        std::ptr::null_mut(),
+                    ),
+                )
             } else {
-                check("read", rd(cl.queue, buf, 1, 0, size, host.as_mut_ptr() as *mut c_void, 0, std::ptr::null(), std::ptr::null_mut()))
+                check(
+                    "read",
+                    rd(
+                        cl.queue,
+                        buf,
+                        1,
+                        0,
+                        size,
+                        host.as_mut_ptr() as *mut c_void,
+                        0,
+                        std::ptr::null(),
+                        std::ptr::null_mut(),
+                    ),
+                )
             }
         }
     };
@@ -138,15 +237,31 @@ fn bandwidth(cl: &Cl, size: usize, write: bool) -> Result<Row> {
     let gbs = (size * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
     // SAFETY: releasing our buffer.
     unsafe { api.clReleaseMemObject.context("missing")?(buf) };
-    let label = if size >= 1 << 20 { format!("{} MiB", size >> 20) } else { format!("{} KiB", size >> 10) };
-    Ok(Row { name: format!("{} {label}", if write { "write" } else { "read" }), value: gbs, unit: "GB/s", higher_better: true })
+    let label = if size >= 1 << 20 {
+        format!("{} MiB", size >> 20)
+    } else {
+        format!("{} KiB", size >> 10)
+    };
+    Ok(Row {
+        name: format!("{} {label}", if write { "write" } else { "read" }),
+        value: gbs,
+        unit: "GB/s",
+        higher_better: true,
+    })
 }
 
 /// Run the workload on whatever OpenCL the loader finds.
 pub fn worker(quick: bool) -> Result<Vec<Row>> {
     let cl = setup()?;
-    let mut rows = vec![sync_call(&cl, if quick { 2000 } else { 20000 })?, async_stream(&cl, if quick { 10_000 } else { 100_000 })?];
-    let sizes: &[usize] = if quick { &[4 << 10, 1 << 20, 16 << 20] } else { &[4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20] };
+    let mut rows = vec![
+        sync_call(&cl, if quick { 2000 } else { 20000 })?,
+        async_stream(&cl, if quick { 10_000 } else { 100_000 })?,
+    ];
+    let sizes: &[usize] = if quick {
+        &[4 << 10, 1 << 20, 16 << 20]
+    } else {
+        &[4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+    };
     for &s in sizes {
         rows.push(bandwidth(&cl, s, true)?);
         rows.push(bandwidth(&cl, s, false)?);
@@ -156,7 +271,9 @@ pub fn worker(quick: bool) -> Result<Vec<Row>> {
 
 /// Rows as lines `name\tvalue\tunit\thigher` (the worker's output).
 pub fn encode(rows: &[Row]) -> String {
-    rows.iter().map(|r| format!("{}\t{}\t{}\t{}\n", r.name, r.value, r.unit, r.higher_better)).collect()
+    rows.iter()
+        .map(|r| format!("{}\t{}\t{}\t{}\n", r.name, r.value, r.unit, r.higher_better))
+        .collect()
 }
 
 /// Parse a worker's output.
@@ -169,7 +286,12 @@ pub fn decode(s: &str) -> Vec<Row> {
                 "GB/s" => "GB/s",
                 _ => return None,
             };
-            Some(Row { name: f[0].into(), value: f.get(1)?.parse().ok()?, unit, higher_better: *f.get(3)? == "true" })
+            Some(Row {
+                name: f[0].into(),
+                value: f.get(1)?.parse().ok()?,
+                unit,
+                higher_better: *f.get(3)? == "true",
+            })
         })
         .collect()
 }
@@ -177,11 +299,23 @@ pub fn decode(s: &str) -> Vec<Row> {
 /// The side-by-side table; ratio is hira relative to native (hira/native for bandwidth,
 /// native/hira for latency, so 1.0 means no overhead and lower is worse).
 pub fn table(native: &[Row], hira: &[Row]) -> String {
-    let mut s = format!("{:<44} {:>12} {:>12} {:>8}  {}\n", "measurement", "native", "hira", "ratio", "unit");
+    let mut s = format!(
+        "{:<44} {:>12} {:>12} {:>8}  {}\n",
+        "measurement", "native", "hira", "ratio", "unit"
+    );
     for n in native {
-        let Some(h) = hira.iter().find(|h| h.name == n.name) else { continue };
-        let ratio = if n.higher_better { h.value / n.value } else { n.value / h.value };
-        s += &format!("{:<44} {:>12.3} {:>12.3} {:>8.2}  {}\n", n.name, n.value, h.value, ratio, n.unit);
+        let Some(h) = hira.iter().find(|h| h.name == n.name) else {
+            continue;
+        };
+        let ratio = if n.higher_better {
+            h.value / n.value
+        } else {
+            n.value / h.value
+        };
+        s += &format!(
+            "{:<44} {:>12.3} {:>12.3} {:>8.2}  {}\n",
+            n.name, n.value, h.value, ratio, n.unit
+        );
     }
     s
 }
@@ -192,15 +326,30 @@ mod tests {
 
     #[test]
     fn rows_round_trip_through_the_worker_format() {
-        let rows = vec![Row { name: "write 4 KiB".into(), value: 1.5, unit: "GB/s", higher_better: true }];
+        let rows = vec![Row {
+            name: "write 4 KiB".into(),
+            value: 1.5,
+            unit: "GB/s",
+            higher_better: true,
+        }];
 
         assert_eq!(decode(&encode(&rows)), rows);
     }
 
     #[test]
     fn ratio_is_relative_to_native() {
-        let native = vec![Row { name: "x".into(), value: 10.0, unit: "us/call", higher_better: false }];
-        let hira = vec![Row { name: "x".into(), value: 20.0, unit: "us/call", higher_better: false }];
+        let native = vec![Row {
+            name: "x".into(),
+            value: 10.0,
+            unit: "us/call",
+            higher_better: false,
+        }];
+        let hira = vec![Row {
+            name: "x".into(),
+            value: 20.0,
+            unit: "us/call",
+            higher_better: false,
+        }];
 
         assert!(table(&native, &hira).contains("0.50"));
     }

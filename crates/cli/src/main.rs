@@ -2,6 +2,7 @@
 //! router (`hira serve`), inspect and control it (`hira ctl`, `hira top`). `hira server` is
 //! the per-tenant API server the router spawns.
 
+mod bench;
 mod run;
 mod show;
 
@@ -13,11 +14,17 @@ use hira_router::Config;
 
 const USAGE: &str = "\
 usage:
-  hira run [--router SOCKET] [--no-autostart] [--] CMD [ARGS...]
+  hira run [--router SOCKET] [--no-autostart] [--weight N] [--cap X] [--priority P]
+           [--slo S] [--kernel-timeout DURATION] [--] CMD [ARGS...]
   hira serve [--config FILE] [--socket PATH] [--idle-exit DURATION] [--vendors PATH]
-             [--server-exe PATH]
-  hira ctl [--router SOCKET] stats [--json] | metrics | shutdown
+             [--server-exe PATH] [--policy P] [--metrics-addr HOST:PORT]
+  hira ctl [--router SOCKET] stats [--json] | metrics | shutdown | policy P
+           | set TENANT KEY=VALUE...   (TENANT: id or pid:N; keys weight, cap, priority,
+                                        slo, kernel_timeout)
   hira top [--router SOCKET] [--interval MS] [--once]
+  hira bench [--quick]
+  hira bench fairness [--policy P|P,Q|all] [--tenants N] [--seconds S] [--png DIR]
+                      [--weights 1,2,4 [--live]] [--depth D]
 
 The router socket defaults to $HIRA_SOCKET, else /tmp/hira-<uid>/router.sock.";
 
@@ -44,6 +51,9 @@ fn run() -> Result<u8> {
         }
         "ctl" => show::ctl(rest),
         "top" => show::top(rest),
+        "bench" => bench::bench(rest),
+        "bench-worker" => bench::worker(rest),
+        "bench-tenant" => bench::tenant(rest),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(0)
@@ -86,6 +96,7 @@ pub(crate) fn router_socket(explicit: Option<String>) -> PathBuf {
 fn serve(args: Vec<String>) -> Result<()> {
     let mut it = args.into_iter();
     let (mut config, mut socket, mut idle, mut vendors, mut exe) = (None, None, None, None, None);
+    let (mut policy, mut metrics) = (None, None);
     while let Some(arg) = it.next() {
         if let Some(v) = take_value(&arg, "--config", &mut it)? {
             config = Some(v);
@@ -97,6 +108,10 @@ fn serve(args: Vec<String>) -> Result<()> {
             vendors = Some(v);
         } else if let Some(v) = take_value(&arg, "--server-exe", &mut it)? {
             exe = Some(v);
+        } else if let Some(v) = take_value(&arg, "--policy", &mut it)? {
+            policy = Some(v);
+        } else if let Some(v) = take_value(&arg, "--metrics-addr", &mut it)? {
+            metrics = Some(v);
         } else {
             bail!("unknown option {arg:?} for serve\n{USAGE}");
         }
@@ -122,6 +137,12 @@ fn serve(args: Vec<String>) -> Result<()> {
     }
     if let Some(e) = exe {
         cfg.server_exe = Some(PathBuf::from(e));
+    }
+    if let Some(p) = policy {
+        cfg.scheduler.policy = p;
+    }
+    if let Some(m) = metrics {
+        cfg.metrics_addr = Some(m);
     }
     cfg.validate()?;
     init_logging(cfg.log.as_deref());

@@ -19,8 +19,21 @@ const ICD_NAME: &str = "libhira_opencl.so";
 pub fn run(args: Vec<String>) -> Result<u8> {
     let mut it = args.into_iter();
     let (mut router, mut autostart, mut cmd) = (None, true, Vec::new());
+    let mut settings: Vec<String> = Vec::new();
     while let Some(arg) = it.next() {
-        if let Some(v) = crate::take_value(&arg, "--router", &mut it)? {
+        let setting = [
+            "--weight",
+            "--cap",
+            "--priority",
+            "--slo",
+            "--kernel-timeout",
+        ]
+        .into_iter()
+        .find(|name| arg == *name || arg.starts_with(&format!("{name}=")));
+        if let Some(name) = setting.filter(|_| cmd.is_empty()) {
+            let v = crate::take_value(&arg, name, &mut it)?.context("a value is needed")?;
+            settings.push(format!("{}={v}", name.trim_start_matches("--")));
+        } else if let Some(v) = crate::take_value(&arg, "--router", &mut it)? {
             router = Some(v);
         } else if arg == "--no-autostart" {
             autostart = false;
@@ -46,8 +59,19 @@ pub fn run(args: Vec<String>) -> Result<u8> {
         start_router(&socket)?;
     }
     // Held open while the application runs, so that an auto-started router does not exit
-    // for idleness before the application's first OpenCL call.
-    let _hold = hira_router::Client::connect(&socket).ok();
+    // for idleness before the application's first OpenCL call. It also carries this run's
+    // tenant settings: the router applies them to tenants descended from this process
+    // (it knows our pid from the socket's credentials), for as long as it stays open.
+    let mut hold = hira_router::Client::connect(&socket).ok();
+    if !settings.is_empty() {
+        let patch = hira_router::TenantPatch::parse_words(&settings)?;
+        let client = hold
+            .as_mut()
+            .with_context(|| format!("no control socket for {}", socket.display()))?;
+        client
+            .call(&hira_router::Request::Register { patch })
+            .context("registering the tenant's settings")?;
+    }
     let mut child = Command::new(prog)
         .args(prog_args)
         .env("OCL_ICD_VENDORS", &icd)
@@ -69,7 +93,7 @@ pub fn run(args: Vec<String>) -> Result<u8> {
 }
 
 /// `$HIRA_ICD`, else `libhira_opencl.so` next to the `hira` executable.
-fn find_icd() -> Result<PathBuf> {
+pub(crate) fn find_icd() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("HIRA_ICD") {
         let p = PathBuf::from(p);
         if p.is_file() {

@@ -7,11 +7,11 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use hira_router::{Client, Request, Response, TenantStats};
+use hira_router::{Client, DeviceStats, Request, Response, TenantStats};
 
 pub fn ctl(args: Vec<String>) -> Result<u8> {
     let mut it = args.into_iter();
-    let (mut router, mut json, mut what) = (None, false, None);
+    let (mut router, mut json, mut what, mut words) = (None, false, None, Vec::new());
     while let Some(arg) = it.next() {
         if let Some(v) = crate::take_value(&arg, "--router", &mut it)? {
             router = Some(v);
@@ -19,24 +19,36 @@ pub fn ctl(args: Vec<String>) -> Result<u8> {
             json = true;
         } else if what.is_none() && !arg.starts_with('-') {
             what = Some(arg);
+        } else if what.is_some() && !arg.starts_with("--") {
+            words.push(arg);
         } else {
             bail!("unknown argument {arg:?} for ctl");
         }
     }
     let socket = crate::router_socket(router);
-    let req = match what.as_deref().unwrap_or("stats") {
-        "stats" => Request::Stats,
-        "metrics" => Request::Metrics,
-        "shutdown" => Request::Shutdown,
-        other => bail!("unknown ctl request {other:?} (stats, metrics, shutdown)"),
+    let req = match (what.as_deref().unwrap_or("stats"), words.as_slice()) {
+        ("stats", []) => Request::Stats,
+        ("metrics", []) => Request::Metrics,
+        ("shutdown", []) => Request::Shutdown,
+        ("policy", [name]) => Request::Policy { name: name.clone() },
+        ("set", [tenant, kv @ ..]) if !kv.is_empty() => Request::Set {
+            tenant: tenant.clone(),
+            patch: hira_router::TenantPatch::parse_words(kv)?,
+        },
+        (other, _) => bail!(
+            "bad ctl request {other:?} (stats, metrics, shutdown, policy P, set TENANT key=value...)"
+        ),
     };
     let resp = hira_router::request(&socket, &req)
         .with_context(|| format!("router at {}", socket.display()))?;
     match resp {
-        Response::Stats { tenants } if json => {
+        Response::Stats { tenants, .. } if json => {
             println!("{}", serde_json::to_string_pretty(&tenants)?);
         }
-        Response::Stats { tenants } => print!("{}", table(&tenants, None, Duration::ZERO)),
+        Response::Stats { tenants, device } => {
+            print!("{}", header(device.as_ref(), None, Duration::ZERO));
+            print!("{}", table(&tenants, None, Duration::ZERO));
+        }
         Response::Metrics { text } => print!("{text}"),
         Response::Ok => {}
         Response::Error { message } => bail!("router refused: {message}"),
@@ -62,14 +74,16 @@ pub fn top(args: Vec<String>) -> Result<u8> {
     let socket = crate::router_socket(router);
     let mut client =
         Client::connect(&socket).with_context(|| format!("router at {}", socket.display()))?;
-    let mut fetch = move || -> Result<Vec<TenantStats>> {
+    let mut fetch = move || -> Result<(Vec<TenantStats>, Option<DeviceStats>)> {
         match client.call(&Request::Stats)? {
-            Response::Stats { tenants } => Ok(tenants),
+            Response::Stats { tenants, device } => Ok((tenants, device)),
             other => bail!("unexpected answer {other:?}"),
         }
     };
     if once {
-        print!("{}", table(&fetch()?, None, Duration::ZERO));
+        let (tenants, device) = fetch()?;
+        print!("{}", header(device.as_ref(), None, Duration::ZERO));
+        print!("{}", table(&tenants, None, Duration::ZERO));
         return Ok(0);
     }
     let _raw = RawTerminal::enter();
@@ -82,13 +96,13 @@ pub fn top(args: Vec<String>) -> Result<u8> {
             }
         }
     });
-    let mut prev: Option<(Instant, Vec<TenantStats>)> = None;
+    let mut prev: Option<(Instant, Vec<TenantStats>, Option<DeviceStats>)> = None;
     loop {
         let now = Instant::now();
-        let tenants = fetch()?;
-        let (before, dt) = match &prev {
-            Some((t, p)) => (Some(p.as_slice()), now - *t),
-            None => (None, Duration::ZERO),
+        let (tenants, device) = fetch()?;
+        let (before, dev_before, dt) = match &prev {
+            Some((t, p, d)) => (Some(p.as_slice()), d.as_ref(), now - *t),
+            None => (None, None, Duration::ZERO),
         };
         let mut screen = String::from("\x1b[H\x1b[2J");
         let _ = write!(
@@ -97,12 +111,13 @@ pub fn top(args: Vec<String>) -> Result<u8> {
             socket.display(),
             tenants.iter().filter(|t| t.alive).count()
         );
+        screen.push_str(&header(device.as_ref(), dev_before, dt).replace('\n', "\r\n"));
         screen.push_str(&table(&tenants, before, dt).replace('\n', "\r\n"));
         let mut out = std::io::stdout().lock();
         out.write_all(screen.as_bytes())?;
         out.flush()?;
         drop(out);
-        prev = Some((now, tenants));
+        prev = Some((now, tenants, device));
         match keys.recv_timeout(interval) {
             Ok(b'q' | b'Q' | 3 | 4) => break,
             Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -121,9 +136,15 @@ fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) 
         .map(|t| (t.id, t))
         .collect();
     let mut s = String::new();
+    // Device time in this interval of every tenant, for the share column.
+    let delta = |t: &TenantStats| {
+        prev.get(&t.id)
+            .map(|p| t.sched.kernel_ns.saturating_sub(p.sched.kernel_ns))
+    };
+    let total: u64 = tenants.iter().filter_map(delta).sum();
     let _ = writeln!(
         s,
-        "{:>6} {:>8} {:<16} {:<5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9} {:>6}",
+        "{:>6} {:>8} {:<16} {:<7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9} {:>6} {:>6} {:>5} {:>6} {:>10} {:>10} {:>5}",
         "TENANT",
         "PID",
         "COMMAND",
@@ -135,7 +156,13 @@ fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) 
         "BULK",
         "DEVICE MS",
         "MEMORY",
-        "DEV%"
+        "DEV%",
+        "SHARE",
+        "WEIGHT",
+        "CAP",
+        "KERNELS",
+        "QWAIT MS",
+        "QUEUE"
     );
     for t in tenants {
         let (rate, util) = match prev.get(&t.id) {
@@ -151,13 +178,22 @@ fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) 
             ),
             _ => ("-".into(), "-".into()),
         };
+        let share = match delta(t) {
+            Some(d) if total > 0 => format!("{:.0}%", 100.0 * d as f64 / total as f64),
+            _ => "-".into(),
+        };
+        let state = match (&t.sched.stopped, t.alive) {
+            (Some(_), _) => "stopped",
+            (None, true) => "up",
+            (None, false) => "done",
+        };
         let _ = writeln!(
             s,
-            "{:>6} {:>8} {:<16} {:<5} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12.1} {:>9} {:>6}",
+            "{:>6} {:>8} {:<16} {:<7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12.1} {:>9} {:>6} {:>6} {:>5} {:>6} {:>10} {:>10.1} {:>5}",
             t.id,
             t.pid,
             truncate(&t.command, 16),
-            if t.alive { "up" } else { "done" },
+            state,
             t.calls,
             rate,
             bytes(t.bytes_in),
@@ -165,13 +201,45 @@ fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) 
             bytes(t.bulk),
             t.device_ns as f64 / 1e6,
             bytes(t.mem_bytes),
-            util
+            util,
+            share,
+            t.sched.weight.max(1),
+            t.sched.cap.map_or("-".into(), |c| format!("{:.0}%", 100.0 * c)),
+            t.sched.kernels,
+            t.sched.queue_wait_ns as f64 / 1e6,
+            t.sched.waiting + t.sched.inflight
         );
     }
     if tenants.is_empty() {
         s.push_str("(no tenants)\n");
     }
+    for t in tenants {
+        if let Some(why) = &t.sched.stopped {
+            let _ = writeln!(s, "tenant {} (pid {}) stopped: {why}", t.id, t.pid);
+        }
+    }
     s
+}
+
+/// The device line: policy, in-flight commands, utilization over the interval.
+fn header(d: Option<&DeviceStats>, before: Option<&DeviceStats>, dt: Duration) -> String {
+    let Some(d) = d else {
+        return String::new();
+    };
+    let util = match before {
+        Some(b) if !dt.is_zero() => format!(
+            "{:.0}%",
+            100.0 * d.busy_ns.saturating_sub(b.busy_ns) as f64 / dt.as_nanos() as f64
+        ),
+        _ => format!(
+            "{:.0}% since start",
+            100.0 * d.busy_ns as f64 / d.uptime_ns.max(1) as f64
+        ),
+    };
+    format!(
+        "device 0: policy {}  busy {util}  in flight {}/{}  waiting {}  kernels {}  runaways stopped {}\n\n",
+        d.policy, d.inflight, d.max_inflight, d.waiting, d.completed, d.runaways
+    )
 }
 
 fn truncate(s: &str, n: usize) -> String {

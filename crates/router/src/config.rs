@@ -5,8 +5,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::collections::BTreeMap;
+
+use hira_policy::sched::{PolicyKind, SchedConfig, TenantParams};
 use hira_transport::Conn;
 use serde::{Deserialize, Serialize};
+
+use crate::dispatch::TenantSched;
 
 use crate::{Error, Result};
 
@@ -50,6 +55,14 @@ pub struct Config {
     pub idle_exit: Option<Duration>,
     /// Log filter (`tracing` env-filter syntax) used when `RUST_LOG` is unset.
     pub log: Option<String>,
+    /// Device-time scheduling (`[scheduler]`).
+    pub scheduler: SchedulerConfig,
+    /// Per-tenant settings keyed by command name (`/proc/<pid>/comm`), e.g.
+    /// `[tenants.python] weight = 2`; `[tenants.default]` applies to every other command.
+    pub tenants: BTreeMap<String, TenantSettings>,
+    /// Serve Prometheus metrics over HTTP on this address (`GET /metrics`), e.g.
+    /// `"127.0.0.1:9464"`.
+    pub metrics_addr: Option<String>,
     /// How servers are started (not settable from a file).
     #[serde(skip)]
     pub spawn: SpawnMode,
@@ -67,6 +80,9 @@ impl Default for Config {
             server_exe: None,
             idle_exit: None,
             log: None,
+            scheduler: SchedulerConfig::default(),
+            tenants: BTreeMap::new(),
+            metrics_addr: None,
             spawn: SpawnMode::Process,
             tenant_by_hello_pid: false,
         }
@@ -104,6 +120,28 @@ impl Config {
         if self.idle_exit == Some(Duration::ZERO) {
             return Err(Error::Config("idle_exit must be positive".into()));
         }
+        self.scheduler.kind()?;
+        self.scheduler
+            .knobs
+            .validate()
+            .map_err(|e| Error::Config(e.to_string()))?;
+        if self.scheduler.max_inflight == 0 {
+            return Err(Error::Config(
+                "scheduler.max_inflight must be positive".into(),
+            ));
+        }
+        for (name, t) in &self.tenants {
+            t.params
+                .validate()
+                .map_err(|e| Error::Config(format!("tenants.{name}: {e}")))?;
+        }
+        if let Some(addr) = &self.metrics_addr {
+            if addr.parse::<std::net::SocketAddr>().is_err() {
+                return Err(Error::Config(format!(
+                    "metrics_addr {addr:?} is not host:port"
+                )));
+            }
+        }
         if let Some(exe) = &self.server_exe {
             if !exe.is_file() {
                 return Err(Error::Config(format!(
@@ -113,6 +151,147 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+/// Default longest run of one device-time command before its tenant is stopped.
+pub const DEFAULT_KERNEL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `[scheduler]`: the device's policy and its knobs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfig {
+    /// One of fifo, rr, credit, band, accc, slaf, wfq, wfq-fixed, wfq-aimd.
+    pub policy: String,
+    /// Device-time commands dispatched and not yet done, at most (≥ 1). Default 4: on
+    /// PoCL (CPU) a kernel's DONE reaches the router a few hundred µs after it ended, and
+    /// with 2 a lone tenant of 1 ms kernels kept only 85 % of its throughput (4: 97.7 %).
+    pub max_inflight: u32,
+    /// Default longest run of one command before its tenant is stopped (`"10s"`).
+    #[serde(with = "duration")]
+    pub kernel_timeout: Duration,
+    /// The policies' intervals, in ns (`period`, `band_wait`, `tick`, `slo_window`,
+    /// `window`, `poll`, `aimd_step`).
+    #[serde(flatten)]
+    pub knobs: SchedConfig,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            policy: "fifo".into(),
+            max_inflight: 4,
+            kernel_timeout: DEFAULT_KERNEL_TIMEOUT,
+            knobs: SchedConfig::default(),
+        }
+    }
+}
+
+impl SchedulerConfig {
+    /// The policy, parsed.
+    pub fn kind(&self) -> Result<PolicyKind> {
+        self.policy
+            .parse()
+            .map_err(|e: hira_policy::sched::SchedError| Error::Config(e.to_string()))
+    }
+}
+
+/// A tenant's entitlement: `weight`, `cap`, `priority`, `slo` and `kernel_timeout`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TenantSettings {
+    #[serde(flatten)]
+    pub params: TenantParams,
+    /// Longest run of one command; default: `scheduler.kernel_timeout`.
+    #[serde(with = "opt_duration")]
+    pub kernel_timeout: Option<Duration>,
+}
+
+/// A partial change of a tenant's settings (control API, `hira run` flags).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantPatch {
+    pub weight: Option<u32>,
+    /// A cap ≤ 0 removes the cap.
+    pub cap: Option<f64>,
+    pub priority: Option<i32>,
+    /// An SLO ≤ 0 removes the SLO.
+    pub slo: Option<f64>,
+    pub kernel_timeout_ms: Option<u64>,
+}
+
+impl TenantPatch {
+    /// Parses `key=value` words: `weight=2 cap=0.5 priority=1 slo=0.3 kernel_timeout=5s`
+    /// (`cap=none`, `slo=none` remove them).
+    pub fn parse_words<S: AsRef<str>>(words: &[S]) -> Result<TenantPatch> {
+        let mut p = TenantPatch::default();
+        for w in words {
+            let w = w.as_ref();
+            let (k, v) = w
+                .split_once('=')
+                .ok_or_else(|| Error::Config(format!("expected key=value, got {w:?}")))?;
+            let bad = || Error::Config(format!("bad value for {k}: {v:?}"));
+            let frac = |v: &str| -> Result<f64> {
+                if v == "none" {
+                    return Ok(0.0);
+                }
+                v.parse().map_err(|_| bad())
+            };
+            match k {
+                "weight" => p.weight = Some(v.parse().map_err(|_| bad())?),
+                "cap" => p.cap = Some(frac(v)?),
+                "priority" => p.priority = Some(v.parse().map_err(|_| bad())?),
+                "slo" => p.slo = Some(frac(v)?),
+                "kernel_timeout" | "kernel-timeout" => {
+                    p.kernel_timeout_ms =
+                        Some(parse_duration(v).ok_or_else(bad)?.as_millis() as u64)
+                }
+                _ => return Err(Error::Config(format!("unknown tenant setting {k:?}"))),
+            }
+        }
+        Ok(p)
+    }
+
+    /// Applies the patch; the result is validated.
+    pub fn apply(&self, s: &mut TenantSched) -> Result<()> {
+        let mut n = s.clone();
+        let opt = |v: f64| (v > 0.0).then_some(v);
+        if let Some(w) = self.weight {
+            n.params.weight = w;
+        }
+        if let Some(c) = self.cap {
+            n.params.cap = opt(c);
+        }
+        if let Some(p) = self.priority {
+            n.params.priority = p;
+        }
+        if let Some(v) = self.slo {
+            n.params.slo = opt(v);
+        }
+        if let Some(ms) = self.kernel_timeout_ms {
+            n.kernel_timeout = Duration::from_millis(ms);
+        }
+        n.params
+            .validate()
+            .map_err(|e| Error::Config(e.to_string()))?;
+        *s = n;
+        Ok(())
+    }
+}
+
+impl Config {
+    /// The configured settings of a tenant running `command`.
+    pub fn tenant_settings(&self, command: &str) -> TenantSched {
+        let t = self
+            .tenants
+            .get(command)
+            .or_else(|| self.tenants.get("default"));
+        TenantSched {
+            params: t.map(|t| t.params.clone()).unwrap_or_default(),
+            kernel_timeout: t
+                .and_then(|t| t.kernel_timeout)
+                .unwrap_or(self.scheduler.kernel_timeout),
+        }
     }
 }
 
@@ -135,6 +314,21 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
         "m" | "min" => n.checked_mul(60).map(Duration::from_secs),
         "h" => n.checked_mul(3600).map(Duration::from_secs),
         _ => None,
+    }
+}
+
+mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        super::opt_duration::serialize(&Some(*d), s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        super::opt_duration::deserialize(d)?
+            .ok_or_else(|| serde::de::Error::custom("a duration is required"))
     }
 }
 
@@ -183,6 +377,54 @@ mod tests {
         assert_eq!(cfg.vendors.as_deref(), Some("/etc/OpenCL/vendors"));
         assert_eq!(cfg.idle_exit, Some(Duration::from_secs(5)));
         assert!(cfg.validate().is_ok());
+    }
+
+    #[test]
+    fn scheduler_and_tenants_parse() {
+        let cfg = Config::parse(
+            "metrics_addr = \"127.0.0.1:9464\"\n[scheduler]\npolicy = \"wfq\"\nmax_inflight = 3\nkernel_timeout = \"2s\"\nwindow = 250000000\n[tenants.python]\nweight = 2\ncap = 0.5\n[tenants.default]\nkernel_timeout = \"500ms\"\n",
+        )
+        .unwrap();
+
+        assert!(cfg.validate().is_ok());
+        assert_eq!(cfg.scheduler.kind().unwrap(), PolicyKind::Wfq);
+        assert_eq!(cfg.scheduler.knobs.window, 250_000_000);
+        assert_eq!(cfg.tenant_settings("python").params.weight, 2);
+        assert_eq!(
+            cfg.tenant_settings("python").kernel_timeout,
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            cfg.tenant_settings("other").kernel_timeout,
+            Duration::from_millis(500)
+        );
+    }
+
+    #[test]
+    fn unknown_policy_is_invalid() {
+        let cfg = Config::parse("[scheduler]\npolicy = \"lottery\"\n").unwrap();
+
+        assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn patch_words_apply() {
+        let mut s = Config::default().tenant_settings("x");
+        let p = TenantPatch::parse_words(&["weight=4", "cap=0.25", "kernel_timeout=3s"]).unwrap();
+
+        p.apply(&mut s).unwrap();
+
+        assert_eq!(s.params.weight, 4);
+        assert_eq!(s.params.cap, Some(0.25));
+        assert_eq!(s.kernel_timeout, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn patch_refuses_out_of_range_cap() {
+        let mut s = Config::default().tenant_settings("x");
+        let p = TenantPatch::parse_words(&["cap=1.5"]).unwrap();
+
+        assert!(p.apply(&mut s).is_err());
     }
 
     #[test]

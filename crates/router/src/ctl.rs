@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::TenantPatch;
+use crate::dispatch::DeviceStats;
 use crate::metrics::TenantStats;
 use crate::{Error, Result};
 
@@ -16,7 +18,7 @@ use crate::{Error, Result};
 pub const MAX_LINE: u64 = 64 * 1024;
 
 /// Everything the control API can be asked.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Request {
     /// Per-tenant metrics (live tenants and recently finished ones).
@@ -25,16 +27,33 @@ pub enum Request {
     Metrics,
     /// Stop the router: servers are told to exit, then killed.
     Shutdown,
+    /// Switch the device's scheduling policy (fifo, rr, credit, band, accc, slaf, wfq,
+    /// wfq-fixed, wfq-aimd).
+    Policy { name: String },
+    /// Change a live tenant's settings; `tenant` is its id, or `pid:<pid>` (a bare number
+    /// that is no tenant id is tried as a pid).
+    Set { tenant: String, patch: TenantPatch },
+    /// Settings for tenants started by the calling process (or its descendants), for as
+    /// long as this control connection stays open (`hira run --weight ...`).
+    Register { patch: TenantPatch },
 }
 
 /// Answers of the control API.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Response {
-    Stats { tenants: Vec<TenantStats> },
-    Metrics { text: String },
+    Stats {
+        tenants: Vec<TenantStats>,
+        #[serde(default)]
+        device: Option<DeviceStats>,
+    },
+    Metrics {
+        text: String,
+    },
     Ok,
-    Error { message: String },
+    Error {
+        message: String,
+    },
 }
 
 /// `<socket>.ctl`.
@@ -95,6 +114,21 @@ mod tests {
             serde_json::from_str::<Request>("\"shutdown\"").unwrap(),
             Request::Shutdown
         );
+    }
+
+    #[test]
+    fn set_request_is_json() {
+        let req = Request::Set {
+            tenant: "3".into(),
+            patch: TenantPatch {
+                weight: Some(2),
+                ..TenantPatch::default()
+            },
+        };
+
+        let text = serde_json::to_string(&req).unwrap();
+
+        assert_eq!(serde_json::from_str::<Request>(&text).unwrap(), req);
     }
 
     #[test]

@@ -3,19 +3,28 @@
 //! spawns and supervises one API server per tenant process, forwards every frame (validating
 //! what guests send), charges calls, bytes and device time to the tenant, fails a tenant's
 //! calls with the API's own error when its server dies, and answers a JSON control API on
-//! `<socket>.ctl` ([`ctl::Request`]).
+//! `<socket>.ctl` ([`ctl::Request`]). Kernel launches pass the device's [`Dispatcher`],
+//! which asks the configured scheduling policy whose command goes next and stops a tenant
+//! whose command runs past its `kernel_timeout`. Metrics are also served over HTTP
+//! (`metrics_addr`, `GET /metrics`).
 //!
 //! Unsafe code is limited to process supervision (`pre_exec`, `waitid`, `kill`).
 
 mod config;
 pub mod ctl;
+pub mod dispatch;
+mod http;
 mod metrics;
 mod router;
 mod supervise;
 
-pub use config::{default_socket_path, parse_duration, Config, SpawnMode, SERVER_GRACE};
+pub use config::{
+    default_socket_path, parse_duration, Config, SchedulerConfig, SpawnMode, TenantPatch,
+    TenantSettings, DEFAULT_KERNEL_TIMEOUT, SERVER_GRACE,
+};
 pub use ctl::{ctl_path, request, Client, Request, Response};
-pub use metrics::prometheus;
+pub use dispatch::{DeviceStats, Dispatcher, SchedView, TenantSched};
+pub use metrics::{prometheus, prometheus_with_device};
 pub use metrics::{TenantMetrics, TenantStats};
 pub use router::{serve, start, Handle};
 

@@ -8,6 +8,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
+use crate::dispatch::{DeviceStats, SchedView};
+
 /// Counters of one tenant (one guest process and its API server).
 #[derive(Debug)]
 pub struct TenantMetrics {
@@ -47,6 +49,8 @@ pub struct TenantMetrics {
     pub mem_bytes: AtomicU64,
     /// Latest USAGE sample: live API objects.
     pub objects: AtomicU64,
+    /// The scheduler's last view of the tenant, kept once it has left the scheduler.
+    pub final_sched: std::sync::Mutex<Option<SchedView>>,
 }
 
 impl TenantMetrics {
@@ -75,6 +79,7 @@ impl TenantMetrics {
             usage_device_ns: AtomicU64::new(0),
             mem_bytes: AtomicU64::new(0),
             objects: AtomicU64::new(0),
+            final_sched: std::sync::Mutex::new(None),
         }
     }
 
@@ -127,12 +132,18 @@ impl TenantMetrics {
             dropped: self.dropped.load(Relaxed),
             failed: self.failed.load(Relaxed),
             bad_frames: self.bad_frames.load(Relaxed),
+            sched: self
+                .final_sched
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .unwrap_or_default(),
         }
     }
 }
 
 /// A snapshot of one tenant's metrics, as the control API reports it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TenantStats {
     pub id: u64,
     pub pid: i32,
@@ -154,12 +165,15 @@ pub struct TenantStats {
     pub dropped: u64,
     pub failed: u64,
     pub bad_frames: u64,
+    /// Scheduling: settings, kernels, queue wait, throttling, stop reason.
+    #[serde(default)]
+    pub sched: SchedView,
 }
 
 /// Prometheus text exposition of tenant snapshots.
 pub fn prometheus(tenants: &[TenantStats]) -> String {
     let mut out = String::new();
-    let gauges: [(&str, &str, fn(&TenantStats) -> u64); 13] = [
+    let gauges: [(&str, &str, fn(&TenantStats) -> u64); 22] = [
         ("hira_tenant_alive", "API server running", |t| {
             u64::from(t.alive)
         }),
@@ -205,6 +219,43 @@ pub fn prometheus(tenants: &[TenantStats]) -> String {
             "malformed guest frames",
             |t| t.bad_frames,
         ),
+        (
+            "hira_tenant_kernels_total",
+            "device-time commands done",
+            |t| t.sched.kernels,
+        ),
+        (
+            "hira_tenant_kernel_ns_total",
+            "device time of commands done, in ns",
+            |t| t.sched.kernel_ns,
+        ),
+        (
+            "hira_tenant_charged_ns_total",
+            "device time charged by the scheduler, in ns",
+            |t| t.sched.charged_ns,
+        ),
+        (
+            "hira_tenant_queue_wait_ns_total",
+            "time commands waited for the scheduler, in ns",
+            |t| t.sched.queue_wait_ns,
+        ),
+        (
+            "hira_tenant_throttled_ns_total",
+            "time held back by the cap, in ns",
+            |t| t.sched.throttled_ns,
+        ),
+        ("hira_tenant_waiting", "commands waiting to dispatch", |t| {
+            u64::from(t.sched.waiting)
+        }),
+        ("hira_tenant_inflight", "commands on the device", |t| {
+            u64::from(t.sched.inflight)
+        }),
+        ("hira_tenant_weight", "scheduling weight", |t| {
+            u64::from(t.sched.weight)
+        }),
+        ("hira_tenant_stopped", "stopped by the router", |t| {
+            u64::from(t.sched.stopped.is_some())
+        }),
     ];
     for (name, help, get) in gauges {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
@@ -231,6 +282,58 @@ pub fn prometheus(tenants: &[TenantStats]) -> String {
                 t.id
             );
         }
+    }
+    out
+}
+
+/// Prometheus text of tenants and the device's scheduler.
+pub fn prometheus_with_device(tenants: &[TenantStats], device: &DeviceStats) -> String {
+    let mut out = prometheus(tenants);
+    let d = device;
+    let rows: [(&str, &str, u64); 8] = [
+        (
+            "hira_device_busy_ns_total",
+            "time with a command on the device, in ns",
+            d.busy_ns,
+        ),
+        (
+            "hira_device_uptime_ns",
+            "time since the router started, in ns",
+            d.uptime_ns,
+        ),
+        (
+            "hira_device_inflight",
+            "commands on the device",
+            u64::from(d.inflight),
+        ),
+        (
+            "hira_device_max_inflight",
+            "commands allowed on the device",
+            u64::from(d.max_inflight),
+        ),
+        (
+            "hira_device_waiting",
+            "commands waiting for the scheduler",
+            u64::from(d.waiting),
+        ),
+        (
+            "hira_device_dispatched_total",
+            "commands dispatched",
+            d.dispatched,
+        ),
+        ("hira_device_completed_total", "commands done", d.completed),
+        (
+            "hira_device_runaways_total",
+            "tenants stopped for a runaway command",
+            d.runaways,
+        ),
+    ];
+    for (name, help, v) in rows {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{device=\"0\",policy=\"{}\"}} {v}",
+            escape(&d.policy)
+        );
     }
     out
 }

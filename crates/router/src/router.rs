@@ -13,11 +13,12 @@ use std::time::{Duration, Instant};
 use hira_opencl::cl;
 use hira_transport::{Conn, FrameReader, Listener};
 use hira_wire::{control, flags, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
-use crate::config::{Config, SERVER_GRACE};
+use crate::config::{Config, TenantPatch, SERVER_GRACE};
 use crate::ctl::{self, Request, Response};
-use crate::metrics::{prometheus, TenantMetrics, TenantStats};
+use crate::dispatch::{DeviceStats, Dispatcher, TenantSched};
+use crate::metrics::{prometheus_with_device, TenantMetrics, TenantStats};
 use crate::supervise::{self, ServerProc};
 use crate::Result;
 
@@ -29,6 +30,10 @@ const DIRECT_MIN: usize = 64 * 1024;
 const BATCH_MAX: usize = 256 * 1024;
 /// Finished tenants kept for the control API.
 const HISTORY: usize = 64;
+/// How often the watchdog looks for runaway kernels.
+const WATCHDOG: Duration = Duration::from_millis(100);
+/// Why a tenant stopped by the watchdog is stopped.
+const RUNAWAY: &str = "runaway kernel";
 
 /// Runs a router until it is stopped (control API `shutdown`, or `idle_exit`).
 pub fn serve(cfg: Config) -> Result<()> {
@@ -41,7 +46,25 @@ pub fn start(cfg: Config) -> Result<Handle> {
     let listener = Listener::bind(&cfg.socket)?;
     let ctl_listener = Listener::bind(&ctl::ctl_path(&cfg.socket))?;
     info!(socket = %cfg.socket.display(), "router listening");
+    let policy = cfg.scheduler.kind()?;
+    let dispatch = Arc::new(Dispatcher::new(
+        policy,
+        &cfg.scheduler.knobs,
+        cfg.scheduler.max_inflight,
+    ));
+    info!(%policy, max_inflight = cfg.scheduler.max_inflight, "device scheduler ready");
+    let metrics_listener = match &cfg.metrics_addr {
+        Some(addr) => {
+            let l = std::net::TcpListener::bind(addr)?;
+            info!(addr = %l.local_addr()?, "metrics served over HTTP at /metrics");
+            Some(l)
+        }
+        None => None,
+    };
     let router = Arc::new(Router {
+        dispatch,
+        registered: Mutex::new(HashMap::new()),
+        metrics_addr: metrics_listener.as_ref().and_then(|l| l.local_addr().ok()),
         cfg,
         state: Mutex::new(State {
             live: HashMap::new(),
@@ -63,6 +86,24 @@ pub fn start(cfg: Config) -> Result<Handle> {
         std::thread::Builder::new()
             .name("hira-idle".into())
             .spawn(move || r.idle_watch(limit))?;
+    }
+    {
+        let r = Arc::clone(&router);
+        std::thread::Builder::new()
+            .name("hira-watchdog".into())
+            .spawn(move || r.watchdog())?;
+    }
+    if let Some(l) = metrics_listener {
+        let (r, r2) = (Arc::clone(&router), Arc::clone(&router));
+        std::thread::Builder::new()
+            .name("hira-metrics".into())
+            .spawn(move || {
+                crate::http::serve(
+                    l,
+                    move || prometheus_with_device(&r.stats(), &r.dispatch.device()),
+                    move || r2.stopping.load(SeqCst),
+                )
+            })?;
     }
     let r = Arc::clone(&router);
     let accept = std::thread::Builder::new()
@@ -97,6 +138,37 @@ impl Handle {
         &self.router.cfg.socket
     }
 
+    /// The device scheduler's state.
+    pub fn device(&self) -> DeviceStats {
+        self.router.dispatch.device()
+    }
+
+    /// Switches the device's scheduling policy.
+    pub fn set_policy(&self, name: &str) -> Result<()> {
+        self.router.set_policy(name)
+    }
+
+    /// Changes a live tenant's settings (`tenant`: id, or `pid:<pid>`).
+    pub fn set_tenant(&self, tenant: &str, patch: &TenantPatch) -> Result<()> {
+        self.router.set_tenant(tenant, patch)
+    }
+
+    /// Settings for tenants of process `pid` or its descendants, applied when they are
+    /// admitted (and now, if one is live); kept until [`Handle::unregister`].
+    pub fn register(&self, pid: i32, patch: TenantPatch) {
+        self.router.register(pid, patch);
+    }
+
+    /// Forgets a registration.
+    pub fn unregister(&self, pid: i32) {
+        lock(&self.router.registered).remove(&pid);
+    }
+
+    /// The address metrics are served on over HTTP, if any.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.router.metrics_addr
+    }
+
     /// Waits until the router has stopped and its servers are gone.
     pub fn wait(mut self) -> Result<()> {
         if let Some(accept) = self.accept.take() {
@@ -118,6 +190,11 @@ impl Drop for Handle {
 #[derive(Debug)]
 struct Router {
     cfg: Config,
+    /// The device's dispatcher (one device).
+    dispatch: Arc<Dispatcher>,
+    /// Settings registered for a process and its descendants (`hira run --weight`).
+    registered: Mutex<HashMap<i32, TenantPatch>>,
+    metrics_addr: Option<std::net::SocketAddr>,
     state: Mutex<State>,
     /// Signalled when the number of clients changes or the router stops.
     idle_cv: Condvar,
@@ -183,6 +260,9 @@ impl Router {
         info!("router stopping");
         self.idle_cv.notify_all();
         // Wake the blocking accepts.
+        if let Some(addr) = self.metrics_addr {
+            let _ = std::net::TcpStream::connect(addr);
+        }
         let _ = Conn::connect(&self.cfg.socket);
         let _ = Conn::connect(&ctl::ctl_path(&self.cfg.socket));
     }
@@ -235,10 +315,116 @@ impl Router {
             .history
             .iter()
             .map(|m| m.snapshot())
-            .chain(st.live.values().map(|t| t.m.snapshot()))
+            .chain(st.live.values().map(|t| {
+                let mut s = t.m.snapshot();
+                if let Some(view) = self.dispatch.view(t.m.id) {
+                    s.sched = view;
+                }
+                s
+            }))
             .collect();
         v.sort_by_key(|t| t.id);
         v
+    }
+
+    // ---- scheduling ----
+
+    fn set_policy(&self, name: &str) -> Result<()> {
+        let kind = name
+            .parse()
+            .map_err(|e: hira_policy::sched::SchedError| crate::Error::Refused(e.to_string()))?;
+        self.dispatch.set_policy(kind);
+        info!(policy = name, "scheduling policy changed");
+        Ok(())
+    }
+
+    fn find_tenant(&self, spec: &str) -> Option<Arc<Tenant>> {
+        let st = lock(&self.state);
+        let by_pid = |pid: i32| st.live.get(&pid).cloned();
+        if let Some(pid) = spec.strip_prefix("pid:") {
+            return by_pid(pid.parse().ok()?);
+        }
+        let n: u64 = spec.parse().ok()?;
+        st.live
+            .values()
+            .find(|t| t.m.id == n)
+            .cloned()
+            .or_else(|| by_pid(i32::try_from(n).ok()?))
+    }
+
+    fn set_tenant(&self, spec: &str, patch: &TenantPatch) -> Result<()> {
+        let t = self
+            .find_tenant(spec)
+            .ok_or_else(|| crate::Error::Refused(format!("no live tenant {spec:?}")))?;
+        let mut s = self
+            .dispatch
+            .settings(t.m.id)
+            .ok_or_else(|| crate::Error::Refused(format!("tenant {spec:?} is not scheduled")))?;
+        patch.apply(&mut s)?;
+        self.dispatch.set(t.m.id, s);
+        info!(tenant = t.m.id, ?patch, "tenant settings changed");
+        Ok(())
+    }
+
+    fn register(&self, pid: i32, patch: TenantPatch) {
+        lock(&self.registered).insert(pid, patch.clone());
+        let live = lock(&self.state).live.get(&pid).cloned();
+        if let Some(t) = live {
+            if let Some(mut s) = self.dispatch.settings(t.m.id) {
+                if patch.apply(&mut s).is_ok() {
+                    self.dispatch.set(t.m.id, s);
+                }
+            }
+        }
+    }
+
+    /// The configured settings of a new tenant, with any registration of it or of an
+    /// ancestor process applied.
+    fn settings_for(&self, pid: i32, command: &str) -> TenantSched {
+        let mut s = self.cfg.tenant_settings(command);
+        let reg = lock(&self.registered);
+        if !reg.is_empty() {
+            let mut p = pid;
+            for _ in 0..64 {
+                if let Some(patch) = reg.get(&p) {
+                    if let Err(e) = patch.apply(&mut s) {
+                        warn!(pid, error = %e, "registered settings refused");
+                    }
+                    break;
+                }
+                match parent_pid(p) {
+                    Some(pp) if pp > 1 => p = pp,
+                    _ => break,
+                }
+            }
+        }
+        s
+    }
+
+    /// Stops tenants whose device-time command has not finished within its
+    /// `kernel_timeout`.
+    fn watchdog(&self) {
+        while !self.stopping.load(SeqCst) {
+            std::thread::sleep(WATCHDOG);
+            while let Some((id, ran)) = self.dispatch.take_runaway(RUNAWAY) {
+                let t = lock(&self.state)
+                    .live
+                    .values()
+                    .find(|t| t.m.id == id)
+                    .cloned();
+                error!(
+                    tenant = id,
+                    ran_ms = ran.as_millis() as u64,
+                    "kernel ran past the tenant's kernel_timeout; stopping the tenant"
+                );
+                match t {
+                    Some(t) => t.stop(RUNAWAY),
+                    None => {
+                        self.dispatch.remove(id);
+                    }
+                }
+            }
+        }
     }
 
     // ---- guest connections ----
@@ -400,10 +586,13 @@ impl Router {
                 }
             }
         };
+        let sched = self.settings_for(key, &command);
         let (control, proc) = supervise::spawn(&self.cfg, id, on_exit)?;
         let control_rx = control.try_clone()?;
+        self.dispatch.add(id, sched);
         let tenant = Arc::new(Tenant {
             key,
+            dispatch: Arc::clone(&self.dispatch),
             m: Arc::new(TenantMetrics::new(id, key, command)),
             control,
             control_tx: Mutex::new(()),
@@ -479,13 +668,17 @@ impl Router {
                     continue;
                 }
             }
+            let pid = conn.peer_cred().map_or(0, |c| c.pid);
             let r = Arc::clone(&self);
             let _ = std::thread::Builder::new()
                 .name("hira-ctl-client".into())
                 .spawn(move || {
                     lock(&r.state).ctl_clients += 1;
                     r.idle_cv.notify_all();
-                    r.ctl_client(UnixStream::from(OwnedFd::from(conn)));
+                    let registered = r.ctl_client(UnixStream::from(OwnedFd::from(conn)), pid);
+                    if registered {
+                        lock(&r.registered).remove(&pid);
+                    }
                     let mut st = lock(&r.state);
                     st.ctl_clients -= 1;
                     if st.clients() == 0 {
@@ -496,15 +689,17 @@ impl Router {
         }
     }
 
-    fn ctl_client(&self, stream: UnixStream) {
+    /// Serves one control client; true if it registered settings for its process.
+    fn ctl_client(&self, stream: UnixStream, pid: i32) -> bool {
+        let mut registered = false;
         let Ok(mut out) = stream.try_clone() else {
-            return;
+            return registered;
         };
         let mut reader = BufReader::new(stream);
         loop {
             let mut line = String::new();
             match (&mut reader).take(ctl::MAX_LINE).read_line(&mut line) {
-                Ok(0) | Err(_) => return,
+                Ok(0) | Err(_) => return registered,
                 Ok(_) => {}
             }
             if !line.ends_with('\n') && line.len() as u64 >= ctl::MAX_LINE {
@@ -514,27 +709,53 @@ impl Router {
                         message: "request too long".into(),
                     },
                 );
-                return;
+                return registered;
             }
             let req = serde_json::from_str::<Request>(line.trim());
+            let done = |r: Result<()>| match r {
+                Ok(()) => Response::Ok,
+                Err(e) => Response::Error {
+                    message: match e {
+                        crate::Error::Refused(m) => m,
+                        e => e.to_string(),
+                    },
+                },
+            };
             let resp = match &req {
                 Ok(Request::Stats) => Response::Stats {
                     tenants: self.stats(),
+                    device: Some(self.dispatch.device()),
                 },
                 Ok(Request::Metrics) => Response::Metrics {
-                    text: prometheus(&self.stats()),
+                    text: prometheus_with_device(&self.stats(), &self.dispatch.device()),
                 },
                 Ok(Request::Shutdown) => Response::Ok,
+                Ok(Request::Policy { name }) => done(self.set_policy(name)),
+                Ok(Request::Set { tenant, patch }) => done(self.set_tenant(tenant, patch)),
+                Ok(Request::Register { patch }) if pid > 0 => {
+                    let mut probe = self.cfg.tenant_settings("");
+                    match patch.apply(&mut probe) {
+                        Ok(()) => {
+                            self.register(pid, patch.clone());
+                            registered = true;
+                            Response::Ok
+                        }
+                        Err(e) => done(Err(e)),
+                    }
+                }
+                Ok(Request::Register { .. }) => Response::Error {
+                    message: "cannot tell the caller's process id".into(),
+                },
                 Err(e) => Response::Error {
                     message: format!("bad request: {e}"),
                 },
             };
             if write_json(&mut out, &resp).is_err() {
-                return;
+                return registered;
             }
             if matches!(req, Ok(Request::Shutdown)) {
                 self.stop();
-                return;
+                return registered;
             }
         }
     }
@@ -552,6 +773,8 @@ fn write_json(out: &mut UnixStream, resp: &Response) -> std::io::Result<()> {
 struct Tenant {
     /// Process id the tenant is known by.
     key: i32,
+    /// The device's dispatcher: kernel launches wait for it.
+    dispatch: Arc<Dispatcher>,
     m: Arc<TenantMetrics>,
     /// Router end of the server's control socket.
     control: Conn,
@@ -588,8 +811,37 @@ impl Tenant {
         Ok(())
     }
 
+    /// Takes the tenant out of the device's scheduler, keeping its last view for stats.
+    fn unschedule(&self) {
+        if let Some(view) = self.dispatch.remove(self.m.id) {
+            *self.m.final_sched.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
+        }
+    }
+
+    /// The router stops the tenant (a runaway kernel): its server is killed, so its calls
+    /// fail with CL_OUT_OF_RESOURCES, and its device slots are returned.
+    fn stop(&self, why: &str) {
+        self.unschedule();
+        match &self.proc {
+            Some(p) => {
+                let p = Arc::clone(p);
+                let _ = std::thread::Builder::new()
+                    .name("hira-stop".into())
+                    .spawn(move || p.kill_after(Duration::ZERO));
+            }
+            None => {
+                self.control.shutdown();
+                for l in lock(&self.links).values() {
+                    l.server_ctl.shutdown();
+                }
+            }
+        }
+        self.server_died(&format!("stopped: {why}"));
+    }
+
     /// The server is gone: fail every outstanding call of every connection.
     fn server_died(&self, why: &str) {
+        self.unschedule();
         if self.dead.swap(true, SeqCst) {
             return;
         }
@@ -609,6 +861,7 @@ impl Tenant {
     /// Lets the server go after the last connection closed: close its control socket and
     /// kill it if it has not exited within [`SERVER_GRACE`].
     fn retire(&self) {
+        self.unschedule();
         self.retiring.store(true, SeqCst);
         self.control.shutdown();
         info!(tenant = self.m.id, "tenant's last connection closed");
@@ -738,6 +991,14 @@ fn read_hello(reader: &mut FrameReader) -> std::result::Result<Option<Hello>, St
     }))
 }
 
+/// The parent of `pid`, from `/proc/<pid>/stat`.
+fn parent_pid(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command may contain spaces and parentheses: the fields follow the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
 fn control_frame(opcode: u16, seq: u64, payload: &[u8]) -> Vec<u8> {
     let mut f = vec![0u8; HEADER_LEN];
     Header::new(Kind::Control, opcode, seq, payload.len()).write_to(&mut f);
@@ -829,7 +1090,26 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
             continue;
         }
         last_seq = h.seq;
-        let sent = if h.kind == Kind::Control && h.opcode == control::SHM_GROW {
+        let device_time =
+            h.kind == Kind::Request && hira_opencl::op(h.opcode).is_some_and(|o| o.device_time);
+        let sent = if device_time {
+            // Everything before the launch goes now; the launch waits for the scheduler.
+            let before = flush(r_end, &mut batch);
+            if !t.dispatch.acquire(m.id) {
+                // Stopped or gone: the launch is not run.
+                if sync {
+                    link.fail_all(m);
+                } else {
+                    m.dropped.fetch_add(1, Relaxed);
+                }
+                continue;
+            }
+            let r = before.and_then(|()| r_end.send(frame, &[]));
+            if r.is_err() {
+                t.dispatch.cancel(m.id);
+            }
+            r
+        } else if h.kind == Kind::Control && h.opcode == control::SHM_GROW {
             let frame = frame.to_vec();
             match reader.take_fd() {
                 Some(fd) => {
@@ -911,6 +1191,14 @@ fn server_to_guest(t: &Tenant, link: &Link, mut reader: FrameReader) {
         let forward = match h.kind {
             Kind::Reply => {
                 m.device_ns.fetch_add(h.device_ns, Relaxed);
+                let launch_failed = hira_opencl::op(h.opcode).is_some_and(|o| o.device_time)
+                    && frame
+                        .get(HEADER_LEN..HEADER_LEN + 4)
+                        .is_some_and(|b| b != [0, 0, 0, 0]);
+                if launch_failed {
+                    // A refused launch never reaches the device: no DONE will come.
+                    t.dispatch.cancel(m.id);
+                }
                 link.complete(h.seq)
             }
             Kind::Control => link.complete(h.seq),
@@ -976,6 +1264,11 @@ fn control_loop(t: &Tenant, mut reader: FrameReader) {
                 t.m.usage_device_ns.store(dev, Relaxed);
                 t.m.mem_bytes.store(mem, Relaxed);
                 t.m.objects.store(obj, Relaxed);
+            }
+        } else if h.kind == Kind::Control && h.opcode == control::DONE {
+            let mut r = Reader::new(&frame[HEADER_LEN..]);
+            if let (Ok(ns), Ok(_measured)) = (r.u64(), r.u8()) {
+                t.dispatch.complete(t.m.id, ns);
             }
         } else {
             debug!(tenant = t.m.id, kind = ?h.kind, opcode = h.opcode, "ignored control frame");

@@ -182,7 +182,7 @@ fn stats_after_death(socket: &Path, id: u64) -> Vec<hira_router::TenantStats> {
 
 fn stats(socket: &Path) -> Vec<hira_router::TenantStats> {
     match hira_router::request(socket, &Request::Stats).unwrap() {
-        Response::Stats { tenants } => tenants,
+        Response::Stats { tenants, .. } => tenants,
         other => panic!("unexpected {other:?}"),
     }
 }

@@ -1,0 +1,942 @@
+//! `hira bench fairness`: GPUvm's fairness experiment with real processes. A router runs
+//! in-process with the policy under test; tenant processes loop a short "madd" kernel
+//! (~1 ms of device time) or a 5× longer "long-madd", keeping a few launches queued; the
+//! router's per-tenant device time (its DONE frames) is sampled every 50 ms. Reported per
+//! policy: AvA's unfairness |t₁−t₂|/(t₁+t₂) between the two groups over 500 ms and 1 s
+//! windows (median, max), device utilization, throughput relative to FIFO; a PNG of every
+//! tenant's device share over time (GPUvm Fig. 7). A weights mode reports shares against
+//! entitlements, with an optional live weight change.
+
+use std::ffi::c_void;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use hira_router::{Config, SchedulerConfig, TenantPatch};
+
+use crate::{check, setup, Cl};
+
+const MADD: &[u8] = b"__kernel void madd(__global float *a, int iters) {\n\
+    size_t i = get_global_id(0);\n\
+    float x = a[i];\n\
+    for (int k = 0; k < iters; k++) { x = x * 0.999f + 0.5f; }\n\
+    a[i] = x;\n\
+}\n\0";
+/// Work items per launch.
+const GLOBAL: usize = 256;
+/// How often the router is sampled.
+const SAMPLE: Duration = Duration::from_millis(50);
+/// The long kernel is this many times the short one.
+pub const LONG_FACTOR: u32 = 5;
+
+/// A built madd kernel on a queue.
+struct Madd {
+    cl: Cl,
+    kernel: *mut c_void,
+}
+
+impl Madd {
+    fn new() -> Result<Madd> {
+        let cl = setup()?;
+        let api = cl.api;
+        let mut err = 0;
+        let p = MADD.as_ptr();
+        // SAFETY: one NUL-terminated source; outputs are live locals; sizes match.
+        unsafe {
+            let prog = api.clCreateProgramWithSource.context("missing")?(
+                cl.ctx,
+                1,
+                &p as *const *const u8 as *mut *mut i8,
+                std::ptr::null(),
+                &mut err,
+            );
+            check("clCreateProgramWithSource", err)?;
+            check(
+                "clBuildProgram",
+                api.clBuildProgram.context("missing")?(
+                    prog,
+                    0,
+                    std::ptr::null(),
+                    std::ptr::null(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                ),
+            )?;
+            let kernel = api.clCreateKernel.context("missing")?(prog, c"madd".as_ptr(), &mut err);
+            check("clCreateKernel", err)?;
+            let buf = api.clCreateBuffer.context("missing")?(
+                cl.ctx,
+                1,
+                GLOBAL * 4,
+                std::ptr::null_mut(),
+                &mut err,
+            );
+            check("clCreateBuffer", err)?;
+            check(
+                "clSetKernelArg",
+                api.clSetKernelArg.context("missing")?(
+                    kernel,
+                    0,
+                    std::mem::size_of::<*mut c_void>(),
+                    &buf as *const *mut c_void as *const c_void,
+                ),
+            )?;
+            Ok(Madd { cl, kernel })
+        }
+    }
+
+    /// Enqueues one launch of `iters`; returns its event.
+    fn launch(&self, iters: u32) -> Result<*mut c_void> {
+        let api = self.cl.api;
+        let global = GLOBAL;
+        let n = iters as i32;
+        let mut ev = std::ptr::null_mut();
+        // SAFETY: a 4-byte argument; one dimension; the event is a live local.
+        unsafe {
+            check(
+                "clSetKernelArg",
+                api.clSetKernelArg.context("missing")?(
+                    self.kernel,
+                    1,
+                    4,
+                    &n as *const i32 as *const c_void,
+                ),
+            )?;
+            check(
+                "clEnqueueNDRangeKernel",
+                api.clEnqueueNDRangeKernel.context("missing")?(
+                    self.cl.queue,
+                    self.kernel,
+                    1,
+                    std::ptr::null(),
+                    &global,
+                    std::ptr::null(),
+                    0,
+                    std::ptr::null(),
+                    &mut ev,
+                ),
+            )?;
+        }
+        Ok(ev)
+    }
+
+    fn wait(&self, ev: *mut c_void) -> Result<()> {
+        let api = self.cl.api;
+        // SAFETY: `ev` is a live event of ours, released exactly once here.
+        unsafe {
+            check(
+                "clWaitForEvents",
+                api.clWaitForEvents.context("missing")?(1, &ev),
+            )?;
+            api.clReleaseEvent.context("missing")?(ev);
+        }
+        Ok(())
+    }
+
+    fn finish(&self) -> Result<()> {
+        // SAFETY: a live queue.
+        check("clFinish", unsafe {
+            self.cl.api.clFinish.context("missing")?(self.cl.queue)
+        })
+    }
+}
+
+/// The tenant process: launches madd of `iters` in a loop for `seconds`, keeping `depth`
+/// launches outstanding; returns the launches completed.
+pub fn tenant(iters: u32, depth: usize, seconds: f64) -> Result<u64> {
+    let k = Madd::new()?;
+    let depth = depth.max(1);
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    let mut out = std::collections::VecDeque::new();
+    let mut done = 0u64;
+    while Instant::now() < end {
+        out.push_back(k.launch(iters)?);
+        if out.len() >= depth {
+            k.wait(out.pop_front().expect("depth ≥ 1"))?;
+            done += 1;
+        }
+    }
+    while let Some(ev) = out.pop_front() {
+        k.wait(ev)?;
+        done += 1;
+    }
+    Ok(done)
+}
+
+/// The runaway tenant: one kernel that never ends, then waits for it. Returns the error
+/// the wait ends with (the router stops the tenant: CL_OUT_OF_RESOURCES).
+pub fn spin() -> Result<()> {
+    const SPIN: &[u8] =
+        b"__kernel void spin(__global volatile int *a) { while (1) { a[0]++; } }\n\0";
+    let cl = setup()?;
+    let api = cl.api;
+    let mut err = 0;
+    let p = SPIN.as_ptr();
+    let global = 1usize;
+    // SAFETY: one NUL-terminated source; outputs are live locals; sizes match.
+    unsafe {
+        let prog = api.clCreateProgramWithSource.context("missing")?(
+            cl.ctx,
+            1,
+            &p as *const *const u8 as *mut *mut i8,
+            std::ptr::null(),
+            &mut err,
+        );
+        check("clCreateProgramWithSource", err)?;
+        check(
+            "clBuildProgram",
+            api.clBuildProgram.context("missing")?(
+                prog,
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            ),
+        )?;
+        let kernel = api.clCreateKernel.context("missing")?(prog, c"spin".as_ptr(), &mut err);
+        check("clCreateKernel", err)?;
+        let buf =
+            api.clCreateBuffer.context("missing")?(cl.ctx, 1, 4, std::ptr::null_mut(), &mut err);
+        check("clCreateBuffer", err)?;
+        check(
+            "clSetKernelArg",
+            api.clSetKernelArg.context("missing")?(
+                kernel,
+                0,
+                std::mem::size_of::<*mut c_void>(),
+                &buf as *const *mut c_void as *const c_void,
+            ),
+        )?;
+        check(
+            "clEnqueueNDRangeKernel",
+            api.clEnqueueNDRangeKernel.context("missing")?(
+                cl.queue,
+                kernel,
+                1,
+                std::ptr::null(),
+                &global,
+                std::ptr::null(),
+                0,
+                std::ptr::null(),
+                std::ptr::null_mut(),
+            ),
+        )?;
+        check("clFinish", api.clFinish.context("missing")?(cl.queue))
+    }
+}
+
+/// Iterations of madd that take `target` on this machine's device, measured natively.
+pub fn calibrate(target: Duration) -> Result<u32> {
+    let k = Madd::new()?;
+    let time = |iters: u32, n: u32| -> Result<f64> {
+        k.launch(iters).and_then(|e| k.wait(e))?;
+        let t = Instant::now();
+        for _ in 0..n {
+            let e = k.launch(iters)?;
+            k.wait(e)?;
+        }
+        k.finish()?;
+        Ok(t.elapsed().as_secs_f64() / f64::from(n))
+    };
+    let mut iters = 2000u32;
+    for _ in 0..3 {
+        let per = time(iters, 20)?;
+        let scale = target.as_secs_f64() / per.max(1e-6);
+        iters = ((f64::from(iters) * scale) as u32).clamp(1, 50_000_000);
+    }
+    Ok(iters)
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct FairOpts {
+    /// Policies to compare; FIFO is run first as the throughput baseline when missing.
+    pub policies: Vec<String>,
+    pub tenants: usize,
+    pub seconds: f64,
+    /// Directory for one PNG per policy.
+    pub png: Option<PathBuf>,
+    /// Weights mode: one short-kernel tenant per weight.
+    pub weights: Option<Vec<u32>>,
+    /// Weights mode: reverse the weights halfway through.
+    pub live: bool,
+    /// Launches each tenant keeps outstanding.
+    pub depth: usize,
+    /// The `hira` executable (API servers and tenants).
+    pub exe: PathBuf,
+    /// The guest ICD.
+    pub icd: PathBuf,
+}
+
+/// One policy's run: cumulative samples.
+struct Run {
+    policy: String,
+    /// (time since start s, per-tenant kernel ns, per-tenant kernels, device busy ns).
+    samples: Vec<(f64, Vec<u64>, Vec<u64>, u64)>,
+    long: Vec<bool>,
+    weights: Vec<u32>,
+    /// When the weights were changed (weights mode, live).
+    changed_at: Option<f64>,
+}
+
+/// The summary of one run.
+#[derive(Clone, Debug)]
+pub struct Summary {
+    pub policy: String,
+    pub med500: f64,
+    pub max500: f64,
+    pub med1s: f64,
+    pub max1s: f64,
+    pub util: f64,
+    /// Work done per second, short kernels = 1, long = 5.
+    pub work_per_s: f64,
+}
+
+fn spawn_tenant(o: &FairOpts, socket: Option<&Path>, iters: u32, seconds: f64) -> Result<Child> {
+    let mut cmd = Command::new(&o.exe);
+    cmd.arg("bench-tenant")
+        .arg("--iters")
+        .arg(iters.to_string())
+        .arg("--depth")
+        .arg(o.depth.to_string())
+        .arg("--seconds")
+        .arg(seconds.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    match socket {
+        Some(s) => cmd.env("OCL_ICD_VENDORS", &o.icd).env("HIRA_SOCKET", s),
+        None => cmd.env_remove("OCL_ICD_VENDORS").env_remove("HIRA_SOCKET"),
+    };
+    cmd.spawn().context("starting a tenant")
+}
+
+fn router(o: &FairOpts, policy: &str, tag: &str) -> Result<hira_router::Handle> {
+    let socket = PathBuf::from(format!("/tmp/hira-fair-{}-{tag}.sock", std::process::id()));
+    let cfg = Config {
+        socket,
+        server_exe: Some(o.exe.clone()),
+        scheduler: SchedulerConfig {
+            policy: policy.to_string(),
+            ..SchedulerConfig::default()
+        },
+        ..Config::default()
+    };
+    Ok(hira_router::start(cfg)?)
+}
+
+fn run_policy(o: &FairOpts, policy: &str, short: u32, weights: &[u32]) -> Result<Run> {
+    let handle = router(o, policy, policy)?;
+    let n = weights.len();
+    let long: Vec<bool> = (0..n).map(|i| o.weights.is_none() && i % 2 == 1).collect();
+    let mut kids = Vec::new();
+    for i in 0..n {
+        let iters = if long[i] { short * LONG_FACTOR } else { short };
+        let child = spawn_tenant(o, Some(handle.socket()), iters, o.seconds + 30.0)?;
+        handle.register(
+            child.id() as i32,
+            TenantPatch {
+                weight: Some(weights[i]),
+                ..TenantPatch::default()
+            },
+        );
+        kids.push(child);
+    }
+    let pids: Vec<i32> = kids.iter().map(|c| c.id() as i32).collect();
+    let start = Instant::now();
+    let mut samples = Vec::new();
+    let mut changed_at = None;
+    let mut ready_at: Option<Instant> = None;
+    // Measure `seconds` from the moment every tenant has finished a kernel.
+    loop {
+        std::thread::sleep(SAMPLE);
+        let stats = handle.stats();
+        let get = |pid: i32| stats.iter().rev().find(|t| t.pid == pid && t.alive);
+        let ns: Vec<u64> = pids
+            .iter()
+            .map(|&p| get(p).map_or(0, |t| t.sched.kernel_ns))
+            .collect();
+        let k: Vec<u64> = pids
+            .iter()
+            .map(|&p| get(p).map_or(0, |t| t.sched.kernels))
+            .collect();
+        let now = start.elapsed().as_secs_f64();
+        samples.push((now, ns, k.clone(), handle.device().busy_ns));
+        if ready_at.is_none() && k.iter().all(|&x| x > 0) {
+            ready_at = Some(Instant::now());
+        }
+        let Some(ready) = ready_at else {
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("tenants did not start within 60 s");
+            }
+            continue;
+        };
+        let ran = ready.elapsed().as_secs_f64();
+        if o.live && changed_at.is_none() && ran >= o.seconds / 2.0 {
+            for (i, &pid) in pids.iter().enumerate() {
+                let patch = TenantPatch {
+                    weight: Some(weights[n - 1 - i]),
+                    ..TenantPatch::default()
+                };
+                handle.set_tenant(&format!("pid:{pid}"), &patch)?;
+            }
+            changed_at = Some(now);
+        }
+        if ran >= o.seconds + 0.5 {
+            break;
+        }
+    }
+    for mut k in kids {
+        let _ = k.kill();
+        let _ = k.wait();
+    }
+    handle.stop();
+    let _ = handle.wait();
+    // Keep only the measured part: from half a second after every tenant ran.
+    let first = samples
+        .iter()
+        .position(|s| s.2.iter().all(|&x| x > 0))
+        .unwrap_or(0);
+    let t0 = samples.get(first).map_or(0.0, |s| s.0) + 0.5;
+    samples.retain(|s| s.0 >= t0);
+    Ok(Run {
+        policy: policy.to_string(),
+        samples,
+        long,
+        weights: weights.to_vec(),
+        changed_at,
+    })
+}
+
+/// Per-window deltas of every tenant's device time, windows of `w` seconds.
+fn windows(run: &Run, w: f64) -> Vec<(f64, Vec<u64>)> {
+    let mut out = Vec::new();
+    let Some(first) = run.samples.first() else {
+        return out;
+    };
+    let mut from = first;
+    for s in &run.samples {
+        if s.0 - from.0 >= w - 1e-9 {
+            let d =
+                s.1.iter()
+                    .zip(&from.1)
+                    .map(|(a, b)| a.saturating_sub(*b))
+                    .collect();
+            out.push((from.0, d));
+            from = s;
+        }
+    }
+    out
+}
+
+/// AvA's unfairness between the short and long groups in each window.
+fn unfairness(run: &Run, w: f64) -> Vec<f64> {
+    windows(run, w)
+        .into_iter()
+        .filter_map(|(_, d)| {
+            let (mut t1, mut t2) = (0f64, 0f64);
+            for (i, ns) in d.iter().enumerate() {
+                if run.long[i] {
+                    t2 += *ns as f64;
+                } else {
+                    t1 += *ns as f64;
+                }
+            }
+            (t1 + t2 > 0.0).then(|| (t1 - t2).abs() / (t1 + t2))
+        })
+        .collect()
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn max(v: &[f64]) -> f64 {
+    v.iter().copied().fold(f64::NAN, f64::max)
+}
+
+fn summarize(run: &Run) -> Summary {
+    let u500 = unfairness(run, 0.5);
+    let u1 = unfairness(run, 1.0);
+    let (util, work_per_s) = match (run.samples.first(), run.samples.last()) {
+        (Some(a), Some(b)) if b.0 > a.0 => {
+            let dt = b.0 - a.0;
+            let work: f64 =
+                b.2.iter()
+                    .zip(&a.2)
+                    .enumerate()
+                    .map(|(i, (x, y))| {
+                        let f = if run.long[i] { LONG_FACTOR } else { 1 };
+                        (x.saturating_sub(*y) * u64::from(f)) as f64
+                    })
+                    .sum();
+            (b.3.saturating_sub(a.3) as f64 / 1e9 / dt, work / dt)
+        }
+        _ => (f64::NAN, f64::NAN),
+    };
+    Summary {
+        policy: run.policy.clone(),
+        med500: median(&u500),
+        max500: max(&u500),
+        med1s: median(&u1),
+        max1s: max(&u1),
+        util,
+        work_per_s,
+    }
+}
+
+/// The fairness table (percentages), throughput relative to the `fifo` row.
+pub fn table(rows: &[Summary], tenants: usize) -> String {
+    let fifo = rows
+        .iter()
+        .find(|r| r.policy == "fifo")
+        .map(|r| r.work_per_s);
+    let mut s = format!(
+        "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>10}\n",
+        "policy",
+        "tenants",
+        "med 0.5s",
+        "max 0.5s",
+        "med 1s",
+        "max 1s",
+        "util",
+        "thr/FIFO",
+        "work/s"
+    );
+    for r in rows {
+        let rel = fifo.map_or("-".to_string(), |f| {
+            format!("{:.1}%", 100.0 * r.work_per_s / f)
+        });
+        let _ = writeln!(
+            s,
+            "{:<10} {:>7} {:>8.1}% {:>8.1}% {:>8.1}% {:>8.1}% {:>6.0}% {:>9} {:>10.0}",
+            r.policy,
+            tenants,
+            100.0 * r.med500,
+            100.0 * r.max500,
+            100.0 * r.med1s,
+            100.0 * r.max1s,
+            100.0 * r.util,
+            rel,
+            r.work_per_s
+        );
+    }
+    s
+}
+
+/// Runs the benchmark and returns its report.
+pub fn fairness(o: &FairOpts) -> Result<String> {
+    let mut report = String::new();
+    let short = calibrate(Duration::from_millis(1))?;
+    let _ = writeln!(
+        report,
+        "calibrated: madd {short} iterations ≈ 1 ms, long-madd {} ≈ {} ms (native, {GLOBAL} work items)",
+        short * LONG_FACTOR,
+        LONG_FACTOR
+    );
+    eprint!("{report}");
+    if o.tenants == 1 && o.weights.is_none() {
+        return lone(o, short, report);
+    }
+    if let Some(w) = &o.weights {
+        return weighted(o, short, w, report);
+    }
+    let mut policies = o.policies.clone();
+    if !policies.iter().any(|p| p == "fifo") {
+        policies.insert(0, "fifo".into());
+    }
+    let mut rows = Vec::new();
+    for p in &policies {
+        eprintln!(
+            "running {p} with {} tenants for {} s ...",
+            o.tenants, o.seconds
+        );
+        let run = run_policy(o, p, short, &vec![1; o.tenants])?;
+        if let Some(dir) = &o.png {
+            std::fs::create_dir_all(dir)?;
+            let path = dir.join(format!("fairness-{p}-{}.png", o.tenants));
+            share_png(&run, &path)?;
+            eprintln!("wrote {}", path.display());
+        }
+        rows.push(summarize(&run));
+    }
+    report += &table(&rows, o.tenants);
+    if let [only] = o.policies.as_slice() {
+        if let Some(r) = rows.iter().find(|r| &r.policy == only) {
+            let _ = writeln!(report, "median unfairness 1s: {:.1}%", 100.0 * r.med1s);
+        }
+    }
+    Ok(report)
+}
+
+/// A lone tenant under hira against the same tenant natively.
+fn lone(o: &FairOpts, short: u32, mut report: String) -> Result<String> {
+    let count = |child: Child| -> Result<f64> {
+        let out = child.wait_with_output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let n: f64 = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|x| x.parse().ok())
+            .with_context(|| format!("tenant printed {text:?}"))?;
+        Ok(n / o.seconds)
+    };
+    let native = count(spawn_tenant(o, None, short, o.seconds)?)?;
+    let policy = o.policies.first().map_or("fifo", String::as_str);
+    let handle = router(o, policy, "lone")?;
+    let hira = count(spawn_tenant(o, Some(handle.socket()), short, o.seconds)?)?;
+    handle.stop();
+    let _ = handle.wait();
+    let _ = writeln!(
+        report,
+        "lone tenant ({policy}): native {native:.0} kernels/s, hira {hira:.0} kernels/s, {:.1}% of unshared",
+        100.0 * hira / native
+    );
+    Ok(report)
+}
+
+/// Weights mode: shares against entitlements, optionally with a live change.
+fn weighted(o: &FairOpts, short: u32, weights: &[u32], mut report: String) -> Result<String> {
+    let policy = o.policies.first().map_or("wfq", String::as_str);
+    eprintln!(
+        "running {policy} with weights {weights:?} for {} s ...",
+        o.seconds
+    );
+    let run = run_policy(o, policy, short, weights)?;
+    if let Some(dir) = &o.png {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join(format!("weights-{policy}.png"));
+        share_png(&run, &path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    let entitled = |w: &[u32]| -> Vec<f64> {
+        let sum: u32 = w.iter().sum();
+        w.iter()
+            .map(|&x| f64::from(x) / f64::from(sum.max(1)))
+            .collect()
+    };
+    let before = entitled(weights);
+    let reversed: Vec<u32> = weights.iter().rev().copied().collect();
+    let after = entitled(&reversed);
+    let wins = windows(&run, 1.0);
+    let _ = writeln!(
+        report,
+        "policy {policy}, weights {weights:?}; shares per 1 s window:"
+    );
+    let _ = writeln!(
+        report,
+        "{:>6}  {}",
+        "t(s)",
+        (0..weights.len())
+            .map(|i| format!("{:>9}", format!("tenant{i}")))
+            .collect::<String>()
+    );
+    for (t, d) in &wins {
+        let total: u64 = d.iter().sum();
+        let mark = match run.changed_at {
+            Some(c) if *t >= c => "  (after change)",
+            _ => "",
+        };
+        let _ = writeln!(
+            report,
+            "{:>6.1}  {}{mark}",
+            t,
+            d.iter()
+                .map(|&x| format!("{:>8.1}%", 100.0 * x as f64 / total.max(1) as f64))
+                .collect::<String>()
+        );
+    }
+    let share = |from: f64, to: f64| -> Vec<f64> {
+        let pick = |t: f64| run.samples.iter().find(|s| s.0 >= t).or(run.samples.last());
+        match (pick(from), pick(to)) {
+            (Some(a), Some(b)) => {
+                let d: Vec<u64> =
+                    b.1.iter()
+                        .zip(&a.1)
+                        .map(|(x, y)| x.saturating_sub(*y))
+                        .collect();
+                let total: u64 = d.iter().sum();
+                d.iter().map(|&x| x as f64 / total.max(1) as f64).collect()
+            }
+            _ => vec![f64::NAN; weights.len()],
+        }
+    };
+    let t_first = run.samples.first().map_or(0.0, |s| s.0);
+    let t_last = run.samples.last().map_or(0.0, |s| s.0);
+    let mut line = |label: &str, s: &[f64], e: &[f64], w: &[u32]| {
+        let _ = writeln!(report, "{label}:");
+        for i in 0..s.len() {
+            let _ = writeln!(
+                report,
+                "  tenant{i} weight {:>2}: share {:>5.1}%  entitled {:>5.1}%  off by {:>4.1} points ({:.1}% relative)",
+                w[i],
+                100.0 * s[i],
+                100.0 * e[i],
+                100.0 * (s[i] - e[i]).abs(),
+                100.0 * (s[i] - e[i]).abs() / e[i]
+            );
+        }
+    };
+    match run.changed_at {
+        None => line("whole run", &share(t_first, t_last), &before, weights),
+        Some(c) => {
+            line("before the change", &share(t_first, c), &before, weights);
+            line(
+                "after the change (from 1 s after)",
+                &share(c + 1.0, t_last),
+                &after,
+                &reversed,
+            );
+            // Windows (1 s) after the change until every share is within 5 points.
+            let settled = wins.iter().filter(|(t, _)| *t >= c).position(|(_, d)| {
+                let total: u64 = d.iter().sum();
+                d.iter()
+                    .zip(&after)
+                    .all(|(&x, e)| (x as f64 / total.max(1) as f64 - e).abs() <= 0.05)
+            });
+            let _ = writeln!(
+                report,
+                "shares within 5 points of the new entitlement in window {} after the change",
+                settled.map_or("never".to_string(), |k| (k + 1).to_string())
+            );
+        }
+    }
+    let _ = run.weights.len();
+    Ok(report)
+}
+
+// ---- the share-over-time picture ----
+
+const W: usize = 800;
+const H: usize = 360;
+const MARGIN: usize = 30;
+const COLORS: [[u8; 3]; 8] = [
+    [31, 119, 180],
+    [255, 127, 14],
+    [44, 160, 44],
+    [214, 39, 40],
+    [148, 103, 189],
+    [140, 86, 75],
+    [227, 119, 194],
+    [127, 127, 127],
+];
+
+/// Every tenant's share of device time over a sliding 500 ms window, as a PNG.
+fn share_png(run: &Run, path: &Path) -> Result<()> {
+    let mut img = vec![255u8; W * H * 3];
+    let (x0, y0, x1, y1) = (MARGIN, MARGIN / 2, W - MARGIN / 2, H - MARGIN);
+    let mut put = |img: &mut Vec<u8>, x: usize, y: usize, c: [u8; 3]| {
+        if x < W && y < H {
+            img[(y * W + x) * 3..(y * W + x) * 3 + 3].copy_from_slice(&c);
+        }
+    };
+    // Axes and a grid line every 25 %.
+    for q in 0..=4 {
+        let y = y1 - (y1 - y0) * q / 4;
+        for x in x0..=x1 {
+            put(
+                &mut img,
+                x,
+                y,
+                if q == 0 { [0, 0, 0] } else { [220, 220, 220] },
+            );
+        }
+    }
+    for y in y0..=y1 {
+        put(&mut img, x0, y, [0, 0, 0]);
+    }
+    let s = &run.samples;
+    let lag = (0.5 / SAMPLE.as_secs_f64()).round() as usize;
+    if s.len() > lag + 1 {
+        let (t0, t1) = (s[lag].0, s[s.len() - 1].0);
+        let span = (t1 - t0).max(1e-9);
+        // Seconds ticks.
+        let mut t = t0.ceil();
+        while t <= t1 {
+            let x = x0 + ((t - t0) / span * (x1 - x0) as f64) as usize;
+            for y in y1..y1 + 5 {
+                put(&mut img, x, y, [0, 0, 0]);
+            }
+            t += 1.0;
+        }
+        for tenant in 0..s[0].1.len() {
+            let c = COLORS[tenant % COLORS.len()];
+            let mut prev: Option<(i64, i64)> = None;
+            for i in lag..s.len() {
+                let d: Vec<u64> = s[i]
+                    .1
+                    .iter()
+                    .zip(&s[i - lag].1)
+                    .map(|(a, b)| a.saturating_sub(*b))
+                    .collect();
+                let total: u64 = d.iter().sum();
+                let share = d[tenant] as f64 / total.max(1) as f64;
+                let x = x0 as f64 + (s[i].0 - t0) / span * (x1 - x0) as f64;
+                let y = y1 as f64 - share * (y1 - y0) as f64;
+                let p = (x as i64, y as i64);
+                if let Some(q) = prev {
+                    line(&mut img, q, p, c, &mut put);
+                }
+                prev = Some(p);
+            }
+            // Legend swatch.
+            for dx in 0..14 {
+                for dy in 0..6 {
+                    put(&mut img, x1 - 20 * (tenant + 1) + dx, y0 + 4 + dy, c);
+                }
+            }
+        }
+    }
+    std::fs::write(path, png(&img, W, H))?;
+    Ok(())
+}
+
+fn line(
+    img: &mut Vec<u8>,
+    (mut x0, mut y0): (i64, i64),
+    (x1, y1): (i64, i64),
+    c: [u8; 3],
+    put: &mut impl FnMut(&mut Vec<u8>, usize, usize, [u8; 3]),
+) {
+    // Bresenham, two pixels thick.
+    let (dx, dy) = ((x1 - x0).abs(), -(y1 - y0).abs());
+    let (sx, sy) = (if x0 < x1 { 1 } else { -1 }, if y0 < y1 { 1 } else { -1 });
+    let mut err = dx + dy;
+    loop {
+        if x0 >= 0 && y0 >= 0 {
+            put(img, x0 as usize, y0 as usize, c);
+            put(img, x0 as usize, y0 as usize + 1, c);
+        }
+        if x0 == x1 && y0 == y1 {
+            break;
+        }
+        let e2 = 2 * err;
+        if e2 >= dy {
+            err += dy;
+            x0 += sx;
+        }
+        if e2 <= dx {
+            err += dx;
+            y0 += sy;
+        }
+    }
+}
+
+/// An RGB image as a PNG file (stored, uncompressed deflate blocks).
+pub fn png(rgb: &[u8], w: usize, h: usize) -> Vec<u8> {
+    let mut raw = Vec::with_capacity((w * 3 + 1) * h);
+    for row in rgb.chunks(w * 3).take(h) {
+        raw.push(0);
+        raw.extend_from_slice(row);
+    }
+    let mut z = vec![0x78, 0x01];
+    let mut blocks = raw.chunks(65_535).peekable();
+    while let Some(b) = blocks.next() {
+        z.push(u8::from(blocks.peek().is_none()));
+        let n = b.len() as u16;
+        z.extend_from_slice(&n.to_le_bytes());
+        z.extend_from_slice(&(!n).to_le_bytes());
+        z.extend_from_slice(b);
+    }
+    z.extend_from_slice(&adler32(&raw).to_be_bytes());
+    let mut out = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut ihdr = Vec::new();
+    ihdr.extend_from_slice(&(w as u32).to_be_bytes());
+    ihdr.extend_from_slice(&(h as u32).to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    chunk(&mut out, b"IHDR", &ihdr);
+    chunk(&mut out, b"IDAT", &z);
+    chunk(&mut out, b"IEND", &[]);
+    out
+}
+
+fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    let start = out.len();
+    out.extend_from_slice(kind);
+    out.extend_from_slice(data);
+    let crc = crc32(&out[start..]);
+    out.extend_from_slice(&crc.to_be_bytes());
+}
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut c = 0xFFFF_FFFFu32;
+    for &b in data {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = if c & 1 != 0 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+fn adler32(data: &[u8]) -> u32 {
+    let (mut a, mut b) = (1u32, 0u32);
+    for &x in data {
+        a = (a + u32::from(x)) % 65_521;
+        b = (b + a) % 65_521;
+    }
+    (b << 16) | a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_of(samples: Vec<(f64, Vec<u64>)>) -> Run {
+        Run {
+            policy: "x".into(),
+            samples: samples
+                .into_iter()
+                .map(|(t, ns)| (t, ns.clone(), ns, 0))
+                .collect(),
+            long: vec![false, true],
+            weights: vec![1, 1],
+            changed_at: None,
+        }
+    }
+
+    #[test]
+    fn unfairness_is_avas_metric() {
+        let run = run_of(vec![
+            (0.0, vec![0, 0]),
+            (1.0, vec![300, 100]),
+            (2.0, vec![400, 200]),
+        ]);
+
+        let u = unfairness(&run, 1.0);
+
+        assert_eq!(u, vec![0.5, 0.0]);
+    }
+
+    #[test]
+    fn png_has_signature_and_chunks() {
+        let img = png(&[255u8; 2 * 2 * 3], 2, 2);
+
+        assert_eq!(&img[..8], b"\x89PNG\r\n\x1a\n");
+        assert_eq!(&img[12..16], b"IHDR");
+        assert_eq!(&img[img.len() - 8..img.len() - 4], b"IEND");
+    }
+
+    #[test]
+    fn crc_matches_reference() {
+        assert_eq!(crc32(b"IEND"), 0xAE42_6082);
+    }
+
+    #[test]
+    fn median_of_even_count_is_the_mean_of_the_middle() {
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+    }
+}
