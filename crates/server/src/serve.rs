@@ -129,8 +129,12 @@ fn shadow(conn: Conn, mut cx: Ctx) -> anyhow::Result<()> {
                 let res = crate::dispatch(&mut cx, op, &mut r);
                 cx.reset();
                 if let Err(e) = &res {
-                    let name = hira_opencl::op(op).map_or("?", |o| o.name);
-                    tracing::debug!(op = name, "request refused: {e}");
+                    let info = hira_opencl::op(op);
+                    tracing::debug!(op = info.map_or("?", |o| o.name), "request refused: {e}");
+                    if info.is_some_and(|o| o.device_time) {
+                        // Refused before the vendor saw it: free the router's device slot.
+                        cx.shared.report_done(0, false);
+                    }
                 }
                 res
             }
