@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::{Mutex, OnceLock};
 
-pub use crate::staged::clEnqueueReadBuffer;
+pub use crate::staged::{clEnqueueReadBuffer, clEnqueueWriteBuffer};
 
 const CL_PLATFORM_NOT_FOUND_KHR: i32 = -1001;
 

@@ -113,6 +113,8 @@ pub struct Connection {
     building: u32,
     /// First error of an earlier asynchronous call, not yet reported.
     deferred: i32,
+    /// Requests sent whose replies have not been read.
+    outstanding: u32,
 }
 
 fn socket_path() -> Option<std::path::PathBuf> {
@@ -143,6 +145,7 @@ impl Connection {
             batch: Vec::new(),
             building: 0,
             deferred: 0,
+            outstanding: 0,
         };
         let (h, payload) = c.read_frame()?;
         let mut r = Reader::new(&payload);
@@ -604,36 +607,69 @@ impl Call {
     }
 
     /// Send (with the pending batch) and wait for the reply.
-    pub fn sync(mut self) -> Result<Reply, i32> {
+    pub fn sync(self) -> Result<Reply, i32> {
+        self.send()?.wait()
+    }
+
+    /// Send (with the pending batch) without waiting: several requests of one thread may be
+    /// outstanding (pipelined bulk transfers); their replies come back in order.
+    pub fn send(mut self) -> Result<Sent, i32> {
         self.frame(0)?;
         let buf = std::mem::take(&mut self.w.buf);
-        let (h, payload) = with_conn(|c| {
+        let seq = with_conn(|c| {
             c.batch.extend_from_slice(&buf);
             c.flush()?;
-            let seq = c.seq;
-            loop {
-                let (h, payload) = c.read_frame()?;
-                if h.kind == Kind::Control && h.opcode == control::FAILED {
-                    let code = Reader::new(&payload).i32().unwrap_or(CL_OUT_OF_RESOURCES);
-                    if h.seq == seq || h.seq == 0 {
-                        return Err(log_code("call failed in the router", code));
-                    }
-                    continue;
+            c.outstanding += 1;
+            Ok(c.seq)
+        })?;
+        Ok(Sent {
+            seq,
+            outs: std::mem::take(&mut self.outs),
+            saved_info: self.saved_info.take(),
+            use_host_ptr: self.use_host_ptr,
+            op: self.op,
+        })
+    }
+}
+
+/// A request sent and not yet answered.
+pub struct Sent {
+    seq: u64,
+    outs: Vec<OutSlot>,
+    saved_info: Option<Vec<u8>>,
+    use_host_ptr: *mut c_void,
+    op: u16,
+}
+
+impl Sent {
+    /// Wait for this request's reply.
+    pub fn wait(self) -> Result<Reply, i32> {
+        let seq = self.seq;
+        let (h, payload) = with_conn(|c| loop {
+            let (h, payload) = c.read_frame()?;
+            if h.kind == Kind::Control && h.opcode == control::FAILED {
+                let code = Reader::new(&payload).i32().unwrap_or(CL_OUT_OF_RESOURCES);
+                if h.seq == seq || h.seq == 0 {
+                    c.outstanding = c.outstanding.saturating_sub(1);
+                    return Err(log_code("call failed in the router", code));
                 }
-                if h.kind == Kind::Reply && h.seq == seq {
-                    if c.building <= 1 {
-                        c.shm_top = 0;
-                    }
-                    return Ok((h, payload));
+                continue;
+            }
+            if h.kind == Kind::Reply && h.seq == seq {
+                c.outstanding = c.outstanding.saturating_sub(1);
+                // Every earlier frame has run: the shared memory is free again.
+                if c.building <= 1 && c.outstanding == 0 {
+                    c.shm_top = 0;
                 }
+                return Ok((h, payload));
             }
         })?;
         let mut r = Reply {
             payload,
             pos: 0,
-            outs: std::mem::take(&mut self.outs),
+            outs: self.outs,
             next: 0,
-            saved_info: self.saved_info.take(),
+            saved_info: self.saved_info,
             use_host_ptr: self.use_host_ptr,
             op: self.op,
         };

@@ -40,6 +40,12 @@ pub unsafe extern "C" fn clEnqueueReadBuffer(
     wait: *const *mut c_void,
     event: *mut *mut c_void,
 ) -> i32 {
+    if blocking != 0 && nwait == 0 && size >= crate::transfer::PIPELINE_FROM && !ptr.is_null() {
+        // SAFETY: forwarded contract (blocking, no wait list).
+        return unsafe {
+            crate::transfer::pipelined(false, queue, buffer, offset, size, ptr as *mut u8, event)
+        };
+    }
     if blocking != 0 || ptr.is_null() || size == 0 {
         // SAFETY: forwarded contract.
         return unsafe {
@@ -64,23 +70,23 @@ pub unsafe extern "C" fn clEnqueueReadBuffer(
     ret
 }
 
-/// Copy every staged read that has completed into the application's memory.
+/// Copy every staged read that has completed into the application's memory. The registry
+/// stays locked throughout, so a thread that returns from here (say from clFinish) knows no
+/// other thread (the callback listener) is still copying a read it depends on.
 pub fn drain() {
     if ANY.load(Ordering::Relaxed) == 0 {
         return;
     }
-    let list: Vec<Pending> = std::mem::take(&mut *pending());
-    let mut keep = Vec::new();
-    for p in list {
+    let mut list = pending();
+    list.retain(|p| {
         // SAFETY: dst has size writable bytes (the application's read destination).
         let r = unsafe { crate::hiraFetchStaged(p.staging, p.size, p.dst as *mut c_void) };
         if r == 1 {
-            keep.push(p);
-        } else {
-            ANY.fetch_sub(1, Ordering::Relaxed);
+            return true;
         }
-    }
-    pending().extend(keep);
+        ANY.fetch_sub(1, Ordering::Relaxed);
+        false
+    });
 }
 
 /// Calls after which staged reads may have completed.
@@ -98,4 +104,33 @@ pub fn drains_after(opcode: u16) -> bool {
             | OP_CLENQUEUEWRITEBUFFERRECT
             | OP_CLENQUEUEWRITEIMAGE
     )
+}
+
+/// `clEnqueueWriteBuffer`: large blocking writes are pipelined; the rest go straight through.
+///
+/// # Safety
+/// Standard `clEnqueueWriteBuffer` contract.
+pub unsafe extern "C" fn clEnqueueWriteBuffer(
+    queue: *mut c_void,
+    buffer: *mut c_void,
+    blocking: u32,
+    offset: usize,
+    size: usize,
+    ptr: *const c_void,
+    nwait: u32,
+    wait: *const *mut c_void,
+    event: *mut *mut c_void,
+) -> i32 {
+    if blocking != 0 && nwait == 0 && size >= crate::transfer::PIPELINE_FROM && !ptr.is_null() {
+        // SAFETY: forwarded contract (blocking, no wait list).
+        return unsafe {
+            crate::transfer::pipelined(true, queue, buffer, offset, size, ptr as *mut u8, event)
+        };
+    }
+    // SAFETY: forwarded contract.
+    unsafe {
+        stubs::clEnqueueWriteBuffer(
+            queue, buffer, blocking, offset, size, ptr, nwait, wait, event,
+        )
+    }
 }
