@@ -15,17 +15,18 @@ use hira_router::Config;
 const USAGE: &str = "\
 usage:
   hira run [--router SOCKET] [--no-autostart] [--weight N] [--cap X] [--priority P]
-           [--slo S] [--kernel-timeout DURATION] [--] CMD [ARGS...]
+           [--slo S] [--kernel-timeout DURATION] [--memory-quota SIZE] [--] CMD [ARGS...]
   hira serve [--config FILE] [--socket PATH] [--idle-exit DURATION] [--vendors PATH]
              [--server-exe PATH] [--policy P] [--metrics-addr HOST:PORT]
   hira ctl [--router SOCKET] stats [--json] | metrics | shutdown | policy P
            | set TENANT KEY=VALUE...   (TENANT: id or pid:N; keys weight, cap, priority,
-                                        slo, kernel_timeout)
+                                        slo, kernel_timeout, memory_quota)
   hira top [--router SOCKET] [--interval MS] [--once]
   hira bench [--quick]
   hira bench fairness [--policy P|P,Q|all] [--tenants N] [--seconds S] [--png DIR]
                       [--weights 1,2,4 [--live]] [--depth D]
 
+SIZE: bytes, or with a unit KiB, MiB, GiB (e.g. 64MiB); none removes a quota.
 The router socket defaults to $HIRA_SOCKET, else /tmp/hira-<uid>/router.sock.";
 
 fn main() -> ExitCode {

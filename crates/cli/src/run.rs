@@ -27,6 +27,7 @@ pub fn run(args: Vec<String>) -> Result<u8> {
             "--priority",
             "--slo",
             "--kernel-timeout",
+            "--memory-quota",
         ]
         .into_iter()
         .find(|name| arg == *name || arg.starts_with(&format!("{name}=")));

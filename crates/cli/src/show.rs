@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use hira_router::{Client, DeviceStats, Request, Response, TenantStats};
+use hira_router::{Client, DeviceStats, MemoryStats, Request, Response, TenantStats};
 
 pub fn ctl(args: Vec<String>) -> Result<u8> {
     let mut it = args.into_iter();
@@ -45,8 +45,13 @@ pub fn ctl(args: Vec<String>) -> Result<u8> {
         Response::Stats { tenants, .. } if json => {
             println!("{}", serde_json::to_string_pretty(&tenants)?);
         }
-        Response::Stats { tenants, device } => {
+        Response::Stats {
+            tenants,
+            device,
+            memory,
+        } => {
             print!("{}", header(device.as_ref(), None, Duration::ZERO));
+            print!("{}", memory_line(memory.as_ref()));
             print!("{}", table(&tenants, None, Duration::ZERO));
         }
         Response::Metrics { text } => print!("{text}"),
@@ -74,15 +79,21 @@ pub fn top(args: Vec<String>) -> Result<u8> {
     let socket = crate::router_socket(router);
     let mut client =
         Client::connect(&socket).with_context(|| format!("router at {}", socket.display()))?;
-    let mut fetch = move || -> Result<(Vec<TenantStats>, Option<DeviceStats>)> {
+    type Sample = (Vec<TenantStats>, Option<DeviceStats>, Option<MemoryStats>);
+    let mut fetch = move || -> Result<Sample> {
         match client.call(&Request::Stats)? {
-            Response::Stats { tenants, device } => Ok((tenants, device)),
+            Response::Stats {
+                tenants,
+                device,
+                memory,
+            } => Ok((tenants, device, memory)),
             other => bail!("unexpected answer {other:?}"),
         }
     };
     if once {
-        let (tenants, device) = fetch()?;
+        let (tenants, device, memory) = fetch()?;
         print!("{}", header(device.as_ref(), None, Duration::ZERO));
+        print!("{}", memory_line(memory.as_ref()));
         print!("{}", table(&tenants, None, Duration::ZERO));
         return Ok(0);
     }
@@ -99,7 +110,7 @@ pub fn top(args: Vec<String>) -> Result<u8> {
     let mut prev: Option<(Instant, Vec<TenantStats>, Option<DeviceStats>)> = None;
     loop {
         let now = Instant::now();
-        let (tenants, device) = fetch()?;
+        let (tenants, device, memory) = fetch()?;
         let (before, dev_before, dt) = match &prev {
             Some((t, p, d)) => (Some(p.as_slice()), d.as_ref(), now - *t),
             None => (None, None, Duration::ZERO),
@@ -112,6 +123,7 @@ pub fn top(args: Vec<String>) -> Result<u8> {
             tenants.iter().filter(|t| t.alive).count()
         );
         screen.push_str(&header(device.as_ref(), dev_before, dt).replace('\n', "\r\n"));
+        screen.push_str(&memory_line(memory.as_ref()).replace('\n', "\r\n"));
         screen.push_str(&table(&tenants, before, dt).replace('\n', "\r\n"));
         let mut out = std::io::stdout().lock();
         out.write_all(screen.as_bytes())?;
@@ -144,7 +156,7 @@ fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) 
     let total: u64 = tenants.iter().filter_map(delta).sum();
     let _ = writeln!(
         s,
-        "{:>6} {:>8} {:<16} {:<7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9} {:>6} {:>6} {:>5} {:>6} {:>10} {:>10} {:>5}",
+        "{:>6} {:>8} {:<16} {:<7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12} {:>9} {:>17} {:>6} {:>6} {:>5} {:>6} {:>10} {:>10} {:>5}",
         "TENANT",
         "PID",
         "COMMAND",
@@ -156,6 +168,7 @@ fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) 
         "BULK",
         "DEVICE MS",
         "MEMORY",
+        "HELD/QUOTA",
         "DEV%",
         "SHARE",
         "WEIGHT",
@@ -189,7 +202,7 @@ fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) 
         };
         let _ = writeln!(
             s,
-            "{:>6} {:>8} {:<16} {:<7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12.1} {:>9} {:>6} {:>6} {:>5} {:>6} {:>10} {:>10.1} {:>5}",
+            "{:>6} {:>8} {:<16} {:<7} {:>10} {:>9} {:>9} {:>9} {:>9} {:>12.1} {:>9} {:>17} {:>6} {:>6} {:>5} {:>6} {:>10} {:>10.1} {:>5}",
             t.id,
             t.pid,
             truncate(&t.command, 16),
@@ -201,6 +214,7 @@ fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) 
             bytes(t.bulk),
             t.device_ns as f64 / 1e6,
             bytes(t.mem_bytes),
+            held_quota(t),
             util,
             share,
             t.sched.weight.max(1),
@@ -217,8 +231,37 @@ fn table(tenants: &[TenantStats], before: Option<&[TenantStats]>, dt: Duration) 
         if let Some(why) = &t.sched.stopped {
             let _ = writeln!(s, "tenant {} (pid {}) stopped: {why}", t.id, t.pid);
         }
+        if t.alloc_refused > 0 {
+            let _ = writeln!(
+                s,
+                "tenant {} (pid {}): {} allocation(s) refused",
+                t.id, t.pid, t.alloc_refused
+            );
+        }
     }
     s
+}
+
+/// `held/quota` as the router counts it (`-` without a quota).
+fn held_quota(t: &TenantStats) -> String {
+    let quota = match t.mem_quota {
+        0 => "-".to_string(),
+        q => bytes(q),
+    };
+    format!("{}/{quota}", bytes(t.mem_held))
+}
+
+/// The device's memory line: charged, limit, refusals (nothing when not reported).
+fn memory_line(m: Option<&MemoryStats>) -> String {
+    let Some(m) = m else {
+        return String::new();
+    };
+    let limit = m.limit.map_or("unlimited".to_string(), bytes);
+    format!(
+        "device memory: charged {} of {limit}  allocations refused {}\n\n",
+        bytes(m.committed),
+        m.refused
+    )
 }
 
 /// The device line: policy, in-flight commands, utilization over the interval.
@@ -323,5 +366,24 @@ mod tests {
 
         assert!(out.contains("app"));
         assert!(out.lines().nth(1).unwrap().contains(" 12 "));
+    }
+
+    #[test]
+    fn table_shows_memory_held_quota_and_refusals() {
+        let t = TenantStats {
+            id: 3,
+            pid: 99,
+            command: "app".into(),
+            alive: true,
+            mem_held: 3 << 20,
+            mem_quota: 64 << 20,
+            alloc_refused: 2,
+            ..TenantStats::default()
+        };
+
+        let out = table(&[t], None, Duration::ZERO);
+
+        assert!(out.contains("3.0MiB/64.0MiB"), "{out}");
+        assert!(out.contains("2 allocation(s) refused"), "{out}");
     }
 }

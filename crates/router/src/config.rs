@@ -57,6 +57,8 @@ pub struct Config {
     pub log: Option<String>,
     /// Device-time scheduling (`[scheduler]`).
     pub scheduler: SchedulerConfig,
+    /// Device memory: default quota, capacity, over-commit (`[memory]`).
+    pub memory: MemoryConfig,
     /// Per-tenant settings keyed by command name (`/proc/<pid>/comm`), e.g.
     /// `[tenants.python] weight = 2`; `[tenants.default]` applies to every other command.
     pub tenants: BTreeMap<String, TenantSettings>,
@@ -81,6 +83,7 @@ impl Default for Config {
             idle_exit: None,
             log: None,
             scheduler: SchedulerConfig::default(),
+            memory: MemoryConfig::default(),
             tenants: BTreeMap::new(),
             metrics_addr: None,
             spawn: SpawnMode::Process,
@@ -130,6 +133,7 @@ impl Config {
                 "scheduler.max_inflight must be positive".into(),
             ));
         }
+        self.memory.validate()?;
         for (name, t) in &self.tenants {
             t.params
                 .validate()
@@ -196,7 +200,49 @@ impl SchedulerConfig {
     }
 }
 
-/// A tenant's entitlement: `weight`, `cap`, `priority`, `slo` and `kernel_timeout`.
+/// `[memory]`: device-memory quotas and the device's capacity.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemoryConfig {
+    /// Quota of every tenant without its own `memory_quota` (`"256MiB"`; `"none"` or 0:
+    /// no quota). Default: none.
+    #[serde(with = "opt_size")]
+    pub quota: Option<u64>,
+    /// Device memory all tenants together may hold (`"4GiB"`), before `overcommit`.
+    /// Default: unlimited (the real device still refuses what it cannot hold).
+    #[serde(with = "opt_size")]
+    pub capacity: Option<u64>,
+    /// Tenants together may hold `capacity × overcommit` (default 1.0). Above 1.0 only
+    /// makes sense with buffer swapping, which the router does not do yet.
+    pub overcommit: f64,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        MemoryConfig {
+            quota: None,
+            capacity: None,
+            overcommit: 1.0,
+        }
+    }
+}
+
+impl MemoryConfig {
+    fn validate(&self) -> Result<()> {
+        if !self.overcommit.is_finite() || self.overcommit <= 0.0 {
+            return Err(Error::Config(
+                "memory.overcommit must be a positive number".into(),
+            ));
+        }
+        if self.capacity == Some(0) {
+            return Err(Error::Config("memory.capacity must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+/// A tenant's entitlement: `weight`, `cap`, `priority`, `slo`, `kernel_timeout` and
+/// `memory_quota`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TenantSettings {
@@ -205,6 +251,9 @@ pub struct TenantSettings {
     /// Longest run of one command; default: `scheduler.kernel_timeout`.
     #[serde(with = "opt_duration")]
     pub kernel_timeout: Option<Duration>,
+    /// Device-memory quota (`"64MiB"`; `"none"` or 0: none); default: `memory.quota`.
+    #[serde(with = "opt_size")]
+    pub memory_quota: Option<u64>,
 }
 
 /// A partial change of a tenant's settings (control API, `hira run` flags).
@@ -218,11 +267,13 @@ pub struct TenantPatch {
     /// An SLO ≤ 0 removes the SLO.
     pub slo: Option<f64>,
     pub kernel_timeout_ms: Option<u64>,
+    /// Device-memory quota in bytes; 0 removes the quota.
+    pub memory_quota: Option<u64>,
 }
 
 impl TenantPatch {
-    /// Parses `key=value` words: `weight=2 cap=0.5 priority=1 slo=0.3 kernel_timeout=5s`
-    /// (`cap=none`, `slo=none` remove them).
+    /// Parses `key=value` words: `weight=2 cap=0.5 priority=1 slo=0.3 kernel_timeout=5s
+    /// memory_quota=64MiB` (`cap=none`, `slo=none`, `memory_quota=none` remove them).
     pub fn parse_words<S: AsRef<str>>(words: &[S]) -> Result<TenantPatch> {
         let mut p = TenantPatch::default();
         for w in words {
@@ -246,13 +297,36 @@ impl TenantPatch {
                     p.kernel_timeout_ms =
                         Some(parse_duration(v).ok_or_else(bad)?.as_millis() as u64)
                 }
+                "memory_quota" | "memory-quota" => {
+                    p.memory_quota = Some(match v {
+                        "none" => 0,
+                        v => crate::memory::parse_size(v).ok_or_else(bad)?,
+                    })
+                }
                 _ => return Err(Error::Config(format!("unknown tenant setting {k:?}"))),
             }
         }
         Ok(p)
     }
 
-    /// Applies the patch; the result is validated.
+    /// Whether the patch changes any scheduling setting (anything but `memory_quota`).
+    pub fn touches_sched(&self) -> bool {
+        let TenantPatch {
+            weight,
+            cap,
+            priority,
+            slo,
+            kernel_timeout_ms,
+            memory_quota: _,
+        } = self;
+        weight.is_some()
+            || cap.is_some()
+            || priority.is_some()
+            || slo.is_some()
+            || kernel_timeout_ms.is_some()
+    }
+
+    /// Applies the scheduling part of the patch; the result is validated.
     pub fn apply(&self, s: &mut TenantSched) -> Result<()> {
         let mut n = s.clone();
         let opt = |v: f64| (v > 0.0).then_some(v);
@@ -295,6 +369,19 @@ impl Config {
     }
 }
 
+impl Config {
+    /// The configured device-memory quota of a tenant running `command`: its
+    /// `[tenants.<command>] memory_quota`, else `[tenants.default]`'s, else
+    /// `memory.quota`; None (or an explicit 0) means no quota.
+    pub fn memory_quota(&self, command: &str) -> Option<u64> {
+        let own = |name: &str| self.tenants.get(name).and_then(|t| t.memory_quota);
+        own(command)
+            .or_else(|| own("default"))
+            .or(self.memory.quota)
+            .filter(|&q| q > 0)
+    }
+}
+
 /// `/tmp/hira-<uid>/router.sock`.
 pub fn default_socket_path() -> PathBuf {
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -329,6 +416,36 @@ mod duration {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         super::opt_duration::deserialize(d)?
             .ok_or_else(|| serde::de::Error::custom("a duration is required"))
+    }
+}
+
+mod opt_size {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        Bytes(u64),
+        Text(String),
+    }
+
+    pub fn serialize<S: Serializer>(n: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+        match n {
+            Some(n) => s.serialize_str(&crate::memory::format_size(*n)),
+            None => s.serialize_none(),
+        }
+    }
+
+    /// A size in bytes: a number, or text with a unit (`"64MiB"`); `"none"` is 0.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        match Option::<Raw>::deserialize(d)? {
+            None => Ok(None),
+            Some(Raw::Bytes(n)) => Ok(Some(n)),
+            Some(Raw::Text(t)) if t.trim() == "none" => Ok(Some(0)),
+            Some(Raw::Text(t)) => crate::memory::parse_size(&t).map(Some).ok_or_else(|| {
+                serde::de::Error::custom(format!("bad size {t:?} (e.g. \"64MiB\")"))
+            }),
+        }
     }
 }
 
@@ -398,6 +515,41 @@ mod tests {
             cfg.tenant_settings("other").kernel_timeout,
             Duration::from_millis(500)
         );
+    }
+
+    #[test]
+    fn memory_quotas_parse_with_per_command_overrides() {
+        let cfg = Config::parse(
+            "[memory]\nquota = \"256MiB\"\ncapacity = \"4GiB\"\novercommit = 1.5\n[tenants.python]\nweight = 2\nmemory_quota = \"64MiB\"\n[tenants.free]\nmemory_quota = \"none\"\n[tenants.bytes]\nmemory_quota = 1048576\n",
+        )
+        .unwrap();
+
+        assert!(cfg.validate().is_ok());
+        assert_eq!(cfg.memory.capacity, Some(4 << 30));
+        assert_eq!(cfg.memory.overcommit, 1.5);
+        assert_eq!(cfg.memory_quota("python"), Some(64 << 20));
+        assert_eq!(cfg.memory_quota("other"), Some(256 << 20));
+        assert_eq!(cfg.memory_quota("free"), None);
+        assert_eq!(cfg.memory_quota("bytes"), Some(1 << 20));
+        assert_eq!(Config::default().memory_quota("x"), None);
+    }
+
+    #[test]
+    fn bad_memory_settings_are_refused() {
+        assert!(Config::parse("[memory]\nquota = \"64 parsecs\"\n").is_err());
+        let cfg = Config::parse("[memory]\novercommit = 0.0\n").unwrap();
+        assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn memory_quota_patch_leaves_scheduling_alone() {
+        let p = TenantPatch::parse_words(&["memory_quota=64MiB"]).unwrap();
+        let none = TenantPatch::parse_words(&["memory-quota=none"]).unwrap();
+
+        assert_eq!(p.memory_quota, Some(64 << 20));
+        assert!(!p.touches_sched());
+        assert_eq!(none.memory_quota, Some(0));
+        assert!(TenantPatch::parse_words(&["memory_quota=lots"]).is_err());
     }
 
     #[test]

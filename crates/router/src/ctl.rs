@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::TenantPatch;
 use crate::dispatch::DeviceStats;
-use crate::metrics::TenantStats;
+use crate::metrics::{MemoryStats, TenantStats};
 use crate::{Error, Result};
 
 /// Longest request line accepted.
@@ -30,11 +30,12 @@ pub enum Request {
     /// Switch the device's scheduling policy (fifo, rr, credit, band, accc, slaf, wfq,
     /// wfq-fixed, wfq-aimd).
     Policy { name: String },
-    /// Change a live tenant's settings; `tenant` is its id, or `pid:<pid>` (a bare number
-    /// that is no tenant id is tried as a pid).
+    /// Change a live tenant's settings (scheduling, `memory_quota`); `tenant` is its id, or
+    /// `pid:<pid>` (a bare number that is no tenant id is tried as a pid).
     Set { tenant: String, patch: TenantPatch },
     /// Settings for tenants started by the calling process (or its descendants), for as
-    /// long as this control connection stays open (`hira run --weight ...`).
+    /// long as this control connection stays open (`hira run --weight ...
+    /// --memory-quota ...`).
     Register { patch: TenantPatch },
 }
 
@@ -46,6 +47,9 @@ pub enum Response {
         tenants: Vec<TenantStats>,
         #[serde(default)]
         device: Option<DeviceStats>,
+        /// The device's memory accounting.
+        #[serde(default)]
+        memory: Option<MemoryStats>,
     },
     Metrics {
         text: String,

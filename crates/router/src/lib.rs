@@ -5,8 +5,10 @@
 //! calls with the API's own error when its server dies, and answers a JSON control API on
 //! `<socket>.ctl` ([`ctl::Request`]). Kernel launches pass the device's [`Dispatcher`],
 //! which asks the configured scheduling policy whose command goes next and stops a tenant
-//! whose command runs past its `kernel_timeout`. Metrics are also served over HTTP
-//! (`metrics_addr`, `GET /metrics`).
+//! whose command runs past its `kernel_timeout`. Allocations are charged against each
+//! tenant's device-memory quota and the device's capacity before they are forwarded
+//! (`memory`), and refused with the API's own error past either. Metrics are also served
+//! over HTTP (`metrics_addr`, `GET /metrics`).
 //!
 //! Unsafe code is limited to process supervision (`pre_exec`, `waitid`, `kill`).
 
@@ -14,18 +16,20 @@ mod config;
 pub mod ctl;
 pub mod dispatch;
 mod http;
+mod memory;
 mod metrics;
 mod router;
 mod supervise;
 
 pub use config::{
-    default_socket_path, parse_duration, Config, SchedulerConfig, SpawnMode, TenantPatch,
-    TenantSettings, DEFAULT_KERNEL_TIMEOUT, SERVER_GRACE,
+    default_socket_path, parse_duration, Config, MemoryConfig, SchedulerConfig, SpawnMode,
+    TenantPatch, TenantSettings, DEFAULT_KERNEL_TIMEOUT, SERVER_GRACE,
 };
 pub use ctl::{ctl_path, request, Client, Request, Response};
 pub use dispatch::{DeviceStats, Dispatcher, SchedView, TenantSched};
-pub use metrics::{prometheus, prometheus_with_device};
-pub use metrics::{TenantMetrics, TenantStats};
+pub use memory::{format_size, parse_size};
+pub use metrics::{prometheus, prometheus_memory, prometheus_with_device};
+pub use metrics::{MemoryStats, TenantMetrics, TenantStats};
 pub use router::{serve, start, Handle};
 
 use std::path::PathBuf;

@@ -49,6 +49,12 @@ pub struct TenantMetrics {
     pub mem_bytes: AtomicU64,
     /// Latest USAGE sample: live API objects.
     pub objects: AtomicU64,
+    /// Device memory the router has charged to the tenant (reservations in flight included).
+    pub mem_held: AtomicU64,
+    /// The tenant's device-memory quota (0: none).
+    pub mem_quota: AtomicU64,
+    /// Allocations the router refused (over quota or over the device's capacity).
+    pub alloc_refused: AtomicU64,
     /// The scheduler's last view of the tenant, kept once it has left the scheduler.
     pub final_sched: std::sync::Mutex<Option<SchedView>>,
 }
@@ -79,6 +85,9 @@ impl TenantMetrics {
             usage_device_ns: AtomicU64::new(0),
             mem_bytes: AtomicU64::new(0),
             objects: AtomicU64::new(0),
+            mem_held: AtomicU64::new(0),
+            mem_quota: AtomicU64::new(0),
+            alloc_refused: AtomicU64::new(0),
             final_sched: std::sync::Mutex::new(None),
         }
     }
@@ -129,6 +138,9 @@ impl TenantMetrics {
             alloc_requested: self.alloc_requested.load(Relaxed),
             mem_bytes: self.mem_bytes.load(Relaxed),
             objects: self.objects.load(Relaxed),
+            mem_held: self.mem_held.load(Relaxed),
+            mem_quota: self.mem_quota.load(Relaxed),
+            alloc_refused: self.alloc_refused.load(Relaxed),
             dropped: self.dropped.load(Relaxed),
             failed: self.failed.load(Relaxed),
             bad_frames: self.bad_frames.load(Relaxed),
@@ -160,8 +172,18 @@ pub struct TenantStats {
     /// The larger of the replies' device time and the server's latest USAGE total.
     pub device_ns: u64,
     pub alloc_requested: u64,
+    /// Device memory held by the server's count (USAGE).
     pub mem_bytes: u64,
     pub objects: u64,
+    /// Device memory charged by the router (its own view, from the allocation sizes).
+    #[serde(default)]
+    pub mem_held: u64,
+    /// Device-memory quota in bytes; 0 = none.
+    #[serde(default)]
+    pub mem_quota: u64,
+    /// Allocations refused by the router.
+    #[serde(default)]
+    pub alloc_refused: u64,
     pub dropped: u64,
     pub failed: u64,
     pub bad_frames: u64,
@@ -173,7 +195,7 @@ pub struct TenantStats {
 /// Prometheus text exposition of tenant snapshots.
 pub fn prometheus(tenants: &[TenantStats]) -> String {
     let mut out = String::new();
-    let gauges: [(&str, &str, fn(&TenantStats) -> u64); 22] = [
+    let gauges: [(&str, &str, fn(&TenantStats) -> u64); 25] = [
         ("hira_tenant_alive", "API server running", |t| {
             u64::from(t.alive)
         }),
@@ -208,6 +230,21 @@ pub fn prometheus(tenants: &[TenantStats]) -> String {
             t.mem_bytes
         }),
         ("hira_tenant_objects", "live API objects", |t| t.objects),
+        (
+            "hira_tenant_mem_held_bytes",
+            "device memory charged by the router",
+            |t| t.mem_held,
+        ),
+        (
+            "hira_tenant_mem_quota_bytes",
+            "device-memory quota (0 = none)",
+            |t| t.mem_quota,
+        ),
+        (
+            "hira_tenant_alloc_refused_total",
+            "allocations refused by the router",
+            |t| t.alloc_refused,
+        ),
         ("hira_tenant_dropped_total", "async calls dropped", |t| {
             t.dropped
         }),
@@ -338,6 +375,55 @@ pub fn prometheus_with_device(tenants: &[TenantStats], device: &DeviceStats) -> 
     out
 }
 
+/// The device's memory as the router accounts it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MemoryStats {
+    /// Configured capacity (`memory.capacity`); None: unlimited.
+    pub capacity: Option<u64>,
+    /// What all tenants together may hold: capacity × overcommit; None: unlimited.
+    pub limit: Option<u64>,
+    /// Held by all live tenants.
+    pub committed: u64,
+    /// Allocations refused since the router started.
+    pub refused: u64,
+}
+
+/// Prometheus text of the device's memory accounting.
+pub fn prometheus_memory(m: &MemoryStats) -> String {
+    let mut out = String::new();
+    let rows: [(&str, &str, Option<u64>); 4] = [
+        (
+            "hira_device_mem_capacity_bytes",
+            "configured device memory",
+            m.capacity,
+        ),
+        (
+            "hira_device_mem_limit_bytes",
+            "device memory tenants may hold together",
+            m.limit,
+        ),
+        (
+            "hira_device_mem_committed_bytes",
+            "device memory charged to tenants",
+            Some(m.committed),
+        ),
+        (
+            "hira_device_alloc_refused_total",
+            "allocations refused by the router",
+            Some(m.refused),
+        ),
+    ];
+    for (name, help, v) in rows {
+        if let Some(v) = v {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{device=\"0\"}} {v}"
+            );
+        }
+    }
+    out
+}
+
 fn escape(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
@@ -373,5 +459,30 @@ mod tests {
             text.contains("hira_tenant_calls_total{tenant=\"7\",pid=\"42\",command=\"a\\\"b\"} 1")
         );
         assert!(text.contains("op=\"clCreateBuffer\"} 1"));
+    }
+
+    #[test]
+    fn memory_gauges_are_exported() {
+        let m = TenantMetrics::new(7, 42, "app".into());
+        m.mem_held.store(4096, Relaxed);
+        m.mem_quota.store(8192, Relaxed);
+        m.alloc_refused.store(2, Relaxed);
+        let device = MemoryStats {
+            committed: 4096,
+            refused: 2,
+            ..MemoryStats::default()
+        };
+
+        let text = prometheus(&[m.snapshot()]) + &prometheus_memory(&device);
+
+        assert!(text
+            .contains("hira_tenant_mem_held_bytes{tenant=\"7\",pid=\"42\",command=\"app\"} 4096"));
+        assert!(text
+            .contains("hira_tenant_mem_quota_bytes{tenant=\"7\",pid=\"42\",command=\"app\"} 8192"));
+        assert!(text.contains(
+            "hira_tenant_alloc_refused_total{tenant=\"7\",pid=\"42\",command=\"app\"} 2"
+        ));
+        assert!(text.contains("hira_device_mem_committed_bytes{device=\"0\"} 4096"));
+        assert!(!text.contains("hira_device_mem_capacity_bytes{"));
     }
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use hira_opencl::cl;
+use hira_opencl::{cl, K_MEM, OP_CLCREATESUBBUFFER, OP_CLRELEASEMEMOBJECT, OP_CLRETAINMEMOBJECT};
 use hira_transport::{Conn, FrameReader, Listener};
 use hira_wire::{control, flags, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
 use tracing::{debug, error, info, warn};
@@ -18,7 +18,10 @@ use tracing::{debug, error, info, warn};
 use crate::config::{Config, TenantPatch, SERVER_GRACE};
 use crate::ctl::{self, Request, Response};
 use crate::dispatch::{DeviceStats, Dispatcher, TenantSched};
-use crate::metrics::{prometheus_with_device, TenantMetrics, TenantStats};
+use crate::memory::{self, MemAccounts};
+use crate::metrics::{
+    prometheus_memory, prometheus_with_device, MemoryStats, TenantMetrics, TenantStats,
+};
 use crate::supervise::{self, ServerProc};
 use crate::Result;
 
@@ -61,8 +64,20 @@ pub fn start(cfg: Config) -> Result<Handle> {
         }
         None => None,
     };
+    let memory = MemAccounts::new(cfg.memory.capacity, cfg.memory.overcommit)
+        .map_err(|e| crate::Error::Config(e.to_string()))?;
+    if cfg.memory.quota.is_some() || cfg.memory.capacity.is_some() {
+        info!(
+            quota = cfg.memory.quota.map(memory::format_size),
+            capacity = cfg.memory.capacity.map(memory::format_size),
+            overcommit = cfg.memory.overcommit,
+            "device-memory accounting ready"
+        );
+    }
     let router = Arc::new(Router {
         dispatch,
+        memory: Arc::new(Mutex::new(memory)),
+        alloc_refused: Arc::new(AtomicU64::new(0)),
         registered: Mutex::new(HashMap::new()),
         metrics_addr: metrics_listener.as_ref().and_then(|l| l.local_addr().ok()),
         cfg,
@@ -98,11 +113,7 @@ pub fn start(cfg: Config) -> Result<Handle> {
         std::thread::Builder::new()
             .name("hira-metrics".into())
             .spawn(move || {
-                crate::http::serve(
-                    l,
-                    move || prometheus_with_device(&r.stats(), &r.dispatch.device()),
-                    move || r2.stopping.load(SeqCst),
-                )
+                crate::http::serve(l, move || r.prometheus(), move || r2.stopping.load(SeqCst))
             })?;
     }
     let r = Arc::clone(&router);
@@ -141,6 +152,11 @@ impl Handle {
     /// The device scheduler's state.
     pub fn device(&self) -> DeviceStats {
         self.router.dispatch.device()
+    }
+
+    /// The device's memory accounting.
+    pub fn memory(&self) -> MemoryStats {
+        self.router.memory_stats()
     }
 
     /// Switches the device's scheduling policy.
@@ -192,6 +208,10 @@ struct Router {
     cfg: Config,
     /// The device's dispatcher (one device).
     dispatch: Arc<Dispatcher>,
+    /// Device-memory accounting of every tenant.
+    memory: Arc<Mutex<MemAccounts>>,
+    /// Allocations refused since start.
+    alloc_refused: Arc<AtomicU64>,
     /// Settings registered for a process and its descendants (`hira run --weight`).
     registered: Mutex<HashMap<i32, TenantPatch>>,
     metrics_addr: Option<std::net::SocketAddr>,
@@ -327,6 +347,22 @@ impl Router {
         v
     }
 
+    fn memory_stats(&self) -> MemoryStats {
+        let mem = lock(&self.memory);
+        let limit = mem.commit_limit();
+        MemoryStats {
+            capacity: self.cfg.memory.capacity,
+            limit: (limit != u64::MAX).then_some(limit),
+            committed: mem.committed(),
+            refused: self.alloc_refused.load(Relaxed),
+        }
+    }
+
+    fn prometheus(&self) -> String {
+        prometheus_with_device(&self.stats(), &self.dispatch.device())
+            + &prometheus_memory(&self.memory_stats())
+    }
+
     // ---- scheduling ----
 
     fn set_policy(&self, name: &str) -> Result<()> {
@@ -356,12 +392,16 @@ impl Router {
         let t = self
             .find_tenant(spec)
             .ok_or_else(|| crate::Error::Refused(format!("no live tenant {spec:?}")))?;
-        let mut s = self
-            .dispatch
-            .settings(t.m.id)
-            .ok_or_else(|| crate::Error::Refused(format!("tenant {spec:?} is not scheduled")))?;
-        patch.apply(&mut s)?;
-        self.dispatch.set(t.m.id, s);
+        if patch.touches_sched() {
+            let mut s = self.dispatch.settings(t.m.id).ok_or_else(|| {
+                crate::Error::Refused(format!("tenant {spec:?} is not scheduled"))
+            })?;
+            patch.apply(&mut s)?;
+            self.dispatch.set(t.m.id, s);
+        }
+        if let Some(q) = patch.memory_quota {
+            t.set_mem_quota((q > 0).then_some(q));
+        }
         info!(tenant = t.m.id, ?patch, "tenant settings changed");
         Ok(())
     }
@@ -375,30 +415,45 @@ impl Router {
                     self.dispatch.set(t.m.id, s);
                 }
             }
+            if let Some(q) = patch.memory_quota {
+                t.set_mem_quota((q > 0).then_some(q));
+            }
         }
     }
 
-    /// The configured settings of a new tenant, with any registration of it or of an
-    /// ancestor process applied.
-    fn settings_for(&self, pid: i32, command: &str) -> TenantSched {
-        let mut s = self.cfg.tenant_settings(command);
+    /// The registration of process `pid` or of its nearest registered ancestor.
+    fn registration(&self, pid: i32) -> Option<TenantPatch> {
         let reg = lock(&self.registered);
-        if !reg.is_empty() {
-            let mut p = pid;
-            for _ in 0..64 {
-                if let Some(patch) = reg.get(&p) {
-                    if let Err(e) = patch.apply(&mut s) {
-                        warn!(pid, error = %e, "registered settings refused");
-                    }
-                    break;
-                }
-                match parent_pid(p) {
-                    Some(pp) if pp > 1 => p = pp,
-                    _ => break,
-                }
+        if reg.is_empty() {
+            return None;
+        }
+        let mut p = pid;
+        for _ in 0..64 {
+            if let Some(patch) = reg.get(&p) {
+                return Some(patch.clone());
+            }
+            match parent_pid(p) {
+                Some(pp) if pp > 1 => p = pp,
+                _ => break,
             }
         }
-        s
+        None
+    }
+
+    /// The configured settings and device-memory quota of a new tenant, with any
+    /// registration of it or of an ancestor process applied.
+    fn settings_for(&self, pid: i32, command: &str) -> (TenantSched, Option<u64>) {
+        let mut s = self.cfg.tenant_settings(command);
+        let mut quota = self.cfg.memory_quota(command);
+        if let Some(patch) = self.registration(pid) {
+            if let Err(e) = patch.apply(&mut s) {
+                warn!(pid, error = %e, "registered settings refused");
+            }
+            if let Some(q) = patch.memory_quota {
+                quota = (q > 0).then_some(q);
+            }
+        }
+        (s, quota)
     }
 
     /// Stops tenants whose device-time command has not finished within its
@@ -557,6 +612,7 @@ impl Router {
             guest_ctl,
             server_ctl,
             pending: Mutex::new(Pending::default()),
+            refused: Mutex::new(HashMap::new()),
             closing: AtomicBool::new(false),
         });
         lock(&tenant.links).insert(link.id, Arc::clone(&link));
@@ -586,13 +642,16 @@ impl Router {
                 }
             }
         };
-        let sched = self.settings_for(key, &command);
+        let (sched, quota) = self.settings_for(key, &command);
         let (control, proc) = supervise::spawn(&self.cfg, id, on_exit)?;
         let control_rx = control.try_clone()?;
         self.dispatch.add(id, sched);
+        lock(&self.memory).add_tenant(id, quota);
         let tenant = Arc::new(Tenant {
             key,
             dispatch: Arc::clone(&self.dispatch),
+            memory: Arc::clone(&self.memory),
+            alloc_refused: Arc::clone(&self.alloc_refused),
             m: Arc::new(TenantMetrics::new(id, key, command)),
             control,
             control_tx: Mutex::new(()),
@@ -602,11 +661,19 @@ impl Router {
             proc,
         });
         let _ = cell.set(Arc::downgrade(&tenant));
+        tenant.m.mem_quota.store(quota.unwrap_or(0), Relaxed);
+        tenant.send_visible_mem(false);
         let t = Arc::clone(&tenant);
         std::thread::Builder::new()
             .name(format!("hira-control-{id}"))
             .spawn(move || control_loop(&t, FrameReader::new(control_rx)))?;
-        info!(tenant = id, pid = key, command = %tenant.m.command, "tenant admitted");
+        info!(
+            tenant = id,
+            pid = key,
+            command = %tenant.m.command,
+            memory_quota = quota.map(memory::format_size),
+            "tenant admitted"
+        );
         Ok(tenant)
     }
 
@@ -618,6 +685,7 @@ impl Router {
             if links.remove(&link).is_some() {
                 tenant.m.connections.fetch_sub(1, Relaxed);
             }
+            tenant.mem(|mem, id| mem.drop_conn(id, link));
             let last = links.is_empty();
             drop(links);
             if last
@@ -725,9 +793,10 @@ impl Router {
                 Ok(Request::Stats) => Response::Stats {
                     tenants: self.stats(),
                     device: Some(self.dispatch.device()),
+                    memory: Some(self.memory_stats()),
                 },
                 Ok(Request::Metrics) => Response::Metrics {
-                    text: prometheus_with_device(&self.stats(), &self.dispatch.device()),
+                    text: self.prometheus(),
                 },
                 Ok(Request::Shutdown) => Response::Ok,
                 Ok(Request::Policy { name }) => done(self.set_policy(name)),
@@ -775,6 +844,10 @@ struct Tenant {
     key: i32,
     /// The device's dispatcher: kernel launches wait for it.
     dispatch: Arc<Dispatcher>,
+    /// The router's device-memory accounting (all tenants).
+    memory: Arc<Mutex<MemAccounts>>,
+    /// The router's count of refused allocations.
+    alloc_refused: Arc<AtomicU64>,
     m: Arc<TenantMetrics>,
     /// Router end of the server's control socket.
     control: Conn,
@@ -811,10 +884,112 @@ impl Tenant {
         Ok(())
     }
 
-    /// Takes the tenant out of the device's scheduler, keeping its last view for stats.
+    /// Takes the tenant out of the device's scheduler, keeping its last view for stats, and
+    /// frees the device memory charged to it.
     fn unschedule(&self) {
         if let Some(view) = self.dispatch.remove(self.m.id) {
             *self.m.final_sched.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
+        }
+        self.mem(|mem, id| mem.remove_tenant(id));
+    }
+
+    // ---- device memory ----
+
+    /// Runs `f` on the memory accounts and publishes what the tenant now holds.
+    fn mem<R>(&self, f: impl FnOnce(&mut MemAccounts, u64) -> R) -> R {
+        let mut mem = lock(&self.memory);
+        let r = f(&mut mem, self.m.id);
+        self.m.mem_held.store(mem.used(self.m.id), Relaxed);
+        r
+    }
+
+    /// Accounts for a memory-object request before it is forwarded: charges an allocation,
+    /// notes a sub-buffer's parent, counts a retain or release. Some(error code) when the
+    /// allocation is refused: it must not reach the server.
+    fn mem_request(&self, link: u64, h: &Header, payload: &[u8]) -> Option<i32> {
+        let info = hira_opencl::op(h.opcode)?;
+        if info.allocates {
+            let Some(bytes) = memory::request_bytes(h.opcode, payload) else {
+                debug!(
+                    tenant = self.m.id,
+                    op = info.name,
+                    "allocation size unreadable; not charged"
+                );
+                return None;
+            };
+            self.m.alloc_requested.fetch_add(bytes, Relaxed);
+            let refused = self
+                .mem(|mem, id| mem.reserve(id, link, h.seq, bytes))
+                .err()?;
+            self.m.alloc_refused.fetch_add(1, Relaxed);
+            self.alloc_refused.fetch_add(1, Relaxed);
+            info!(
+                tenant = self.m.id,
+                command = %self.m.command,
+                op = info.name,
+                requested = bytes,
+                held = self.m.mem_held.load(Relaxed),
+                why = %refused,
+                "allocation refused"
+            );
+            return Some(memory::refusal_code(&refused));
+        }
+        let object = || hira_wire::Reader::new(payload).u64().ok();
+        match h.opcode {
+            OP_CLCREATESUBBUFFER => {
+                if let Some(parent) = object() {
+                    self.mem(|mem, id| mem.expect_sub(id, link, h.seq, parent));
+                }
+            }
+            OP_CLRETAINMEMOBJECT => {
+                if let Some(obj) = object() {
+                    self.mem(|mem, id| mem.retain(id, obj));
+                }
+            }
+            OP_CLRELEASEMEMOBJECT => {
+                if let Some(obj) = object() {
+                    self.mem(|mem, id| mem.release(id, obj));
+                }
+            }
+            _ => {}
+        }
+        None
+    }
+
+    /// A creating call's reply came back (`delivered`: it goes to the guest): binds or
+    /// returns the call's reservation.
+    fn mem_reply(&self, link: u64, h: &Header, payload: &[u8], delivered: bool) {
+        let created = delivered
+            .then(|| memory::created_id(payload, h.flags & flags::DEFERRED_ERROR != 0))
+            .flatten();
+        self.mem(|mem, id| mem.reply(id, link, h.seq, created));
+    }
+
+    /// Sets the tenant's quota (None: none) and tells its server.
+    fn set_mem_quota(&self, quota: Option<u64>) {
+        self.mem(|mem, id| mem.set_quota(id, quota));
+        self.m.mem_quota.store(quota.unwrap_or(0), Relaxed);
+        info!(
+            tenant = self.m.id,
+            quota = quota.map(memory::format_size),
+            held = self.m.mem_held.load(Relaxed),
+            "memory quota set"
+        );
+        self.send_visible_mem(true);
+    }
+
+    /// Sends SET_QUOTA with the memory the tenant is to see: its quota, at most the
+    /// configured capacity (0: the device's own sizes). Without `always`, only when there
+    /// is something to limit.
+    fn send_visible_mem(&self, always: bool) {
+        let visible = lock(&self.memory).visible(self.m.id);
+        if visible.is_none() && !always {
+            return;
+        }
+        let frame = control_frame(control::SET_QUOTA, 0, &visible.unwrap_or(0).to_le_bytes());
+        let _guard = lock(&self.control_tx);
+        if let Err(e) = self.control.send(&frame, &[]) {
+            debug!(tenant = self.m.id, error = %e, "cannot send SET_QUOTA");
         }
     }
 
@@ -885,6 +1060,9 @@ struct Link {
     /// Shuts the server socket (r_end) down.
     server_ctl: Conn,
     pending: Mutex<Pending>,
+    /// Refused allocations by sequence number (their opcode and error code), answered when
+    /// the PING sent in their place returns.
+    refused: Mutex<HashMap<u64, (u16, i32)>>,
     /// The guest side has ended; nothing more is sent to it.
     closing: AtomicBool,
 }
@@ -1010,6 +1188,26 @@ fn failed_frame(seq: u64, code: i32) -> Vec<u8> {
     control_frame(control::FAILED, seq, &code.to_le_bytes())
 }
 
+/// The answer to a refused call, built from the reply to the PING sent in its place: status
+/// `code`, and the PING reply's deferred error of earlier asynchronous calls, if any.
+fn refusal_reply(ping: &Header, opcode: u16, code: i32, payload: &[u8]) -> Vec<u8> {
+    let deferred = (ping.kind == Kind::Reply && ping.flags & flags::DEFERRED_ERROR != 0)
+        .then(|| payload.get(4..8))
+        .flatten();
+    let mut w = Writer::with_header_room(HEADER_LEN);
+    w.i32(code);
+    if let Some(d) = deferred {
+        w.buf.extend_from_slice(d);
+    }
+    let mut h = Header::new(Kind::Reply, opcode, ping.seq, w.buf.len() - HEADER_LEN);
+    h.device_ns = ping.device_ns;
+    if deferred.is_some() {
+        h.flags = flags::DEFERRED_ERROR;
+    }
+    h.write_to(&mut w.buf[..HEADER_LEN]);
+    w.buf
+}
+
 fn welcome_frame(seq: u64, tenant: u64, conn: u64, status: i32) -> Vec<u8> {
     let mut w = Writer::default();
     w.u64(tenant);
@@ -1070,12 +1268,13 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
         }
         m.bytes_in.fetch_add(u64::from(h.len), Relaxed);
         m.bulk.fetch_add(h.bulk, Relaxed);
+        let mut refused = None;
         if h.kind == Kind::Request {
             m.count_call(h.opcode);
-            if hira_opencl::op(h.opcode).is_some_and(|o| o.allocates) {
-                if let Some(n) = hira_opencl::alloc_request_bytes(h.opcode, &frame[HEADER_LEN..]) {
-                    m.alloc_requested.fetch_add(n, Relaxed);
-                }
+            if hira_opencl::op(h.opcode)
+                .is_some_and(|o| o.allocates || o.creates == K_MEM || o.retains || o.releases)
+            {
+                refused = t.mem_request(link.id, &h, &frame[HEADER_LEN..]);
             }
         }
         let sync = h.flags & flags::ASYNC == 0;
@@ -1085,10 +1284,22 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
                 let _ = link.send_guest(&failed_frame(h.seq, cl::CL_OUT_OF_RESOURCES));
                 continue;
             }
-        } else if link.is_gone() {
+        } else if link.is_gone() || refused.is_some() {
             m.dropped.fetch_add(1, Relaxed);
             continue;
         }
+        // A refused allocation never reaches the server. It is answered once every earlier
+        // frame has run (the guest then reuses its shared memory): a PING takes its place
+        // and its reply is turned into the refusal.
+        let substitute;
+        let frame = match refused {
+            Some(code) => {
+                lock(&link.refused).insert(h.seq, (h.opcode, code));
+                substitute = control_frame(control::PING, h.seq, &[]);
+                &substitute[..]
+            }
+            None => frame,
+        };
         last_seq = h.seq;
         let device_time =
             h.kind == Kind::Request && hira_opencl::op(h.opcode).is_some_and(|o| o.device_time);
@@ -1188,6 +1399,12 @@ fn server_to_guest(t: &Tenant, link: &Link, mut reader: FrameReader) {
             }
         };
         let Ok(h) = Header::parse(frame) else { break };
+        let refusal = if h.opcode == control::PING && matches!(h.kind, Kind::Reply | Kind::Control)
+        {
+            lock(&link.refused).remove(&h.seq)
+        } else {
+            None
+        };
         let forward = match h.kind {
             Kind::Reply => {
                 m.device_ns.fetch_add(h.device_ns, Relaxed);
@@ -1199,7 +1416,11 @@ fn server_to_guest(t: &Tenant, link: &Link, mut reader: FrameReader) {
                     // A refused launch never reaches the device: no DONE will come.
                     t.dispatch.cancel(m.id);
                 }
-                link.complete(h.seq)
+                let delivered = link.complete(h.seq);
+                if hira_opencl::op(h.opcode).is_some_and(|o| o.creates == K_MEM) {
+                    t.mem_reply(link.id, &h, &frame[HEADER_LEN..], delivered);
+                }
+                delivered
             }
             Kind::Control => link.complete(h.seq),
             Kind::Callback => !link.is_gone(),
@@ -1215,6 +1436,14 @@ fn server_to_guest(t: &Tenant, link: &Link, mut reader: FrameReader) {
         if !forward {
             continue;
         }
+        let substitute;
+        let frame = match refusal {
+            Some((opcode, code)) => {
+                substitute = refusal_reply(&h, opcode, code, &frame[HEADER_LEN..]);
+                &substitute[..]
+            }
+            None => frame,
+        };
         m.bytes_out.fetch_add(u64::from(h.len), Relaxed);
         let sent = if frame.len() >= DIRECT_MIN {
             let guest = lock(&link.guest_tx);

@@ -32,13 +32,17 @@ fn read(reader: &mut FrameReader) -> Option<(Header, Vec<u8>)> {
     Some((Header::parse(f).unwrap(), f[HEADER_LEN..].to_vec()))
 }
 
-/// A fake API server: answers every synchronous request with a Reply carrying status 0,
-/// answers PING, sends one USAGE sample per ATTACH, and dies on opcode [`DIE`].
+/// A fake API server: answers every synchronous request with a Reply carrying status 0
+/// (clCreateBuffer: errcode 0 and a new id), answers PING, ignores SET_QUOTA, sends one
+/// USAGE sample per ATTACH, and dies on opcode [`DIE`].
 fn fake_server(control_conn: Conn) {
     let control_tx = Arc::new(control_conn.try_clone().unwrap());
     let conns: Arc<Mutex<Vec<Conn>>> = Arc::new(Mutex::new(Vec::new()));
     let mut reader = FrameReader::new(control_conn);
     while let Some((h, payload)) = read(&mut reader) {
+        if (h.kind, h.opcode) == (Kind::Control, control::SET_QUOTA) {
+            continue;
+        }
         assert_eq!((h.kind, h.opcode), (Kind::Control, control::ATTACH));
         let mut r = Reader::new(&payload);
         let (_conn_id, _role, shm_len) = (r.u64().unwrap(), r.u32().unwrap(), r.u64().unwrap());
@@ -68,6 +72,13 @@ fn fake_server(control_conn: Conn) {
                     continue;
                 }
                 let reply = match h.kind {
+                    Kind::Request if h.opcode == hira_opencl::OP_CLCREATEBUFFER => {
+                        let mut w = Writer::default();
+                        w.i32(0);
+                        w.i32(0);
+                        w.u64(1000 + h.seq);
+                        frame(Kind::Reply, h.opcode, h.seq, 0, &w.buf)
+                    }
                     Kind::Request => frame(Kind::Reply, h.opcode, h.seq, 0, &0i32.to_le_bytes()),
                     _ => frame(Kind::Control, h.opcode, h.seq, 0, &[]),
                 };
@@ -80,18 +91,23 @@ fn fake_server(control_conn: Conn) {
 }
 
 fn start(by_hello_pid: bool) -> (Handle, PathBuf) {
+    start_with(by_hello_pid, |_| {})
+}
+
+fn start_with(by_hello_pid: bool, tweak: impl FnOnce(&mut Config)) -> (Handle, PathBuf) {
     static N: AtomicUsize = AtomicUsize::new(0);
     let socket = std::env::temp_dir().join(format!(
         "hira-rt-{}-{}.sock",
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     ));
-    let cfg = Config {
+    let mut cfg = Config {
         socket: socket.clone(),
         spawn: SpawnMode::InProcess(Arc::new(fake_server)),
         tenant_by_hello_pid: by_hello_pid,
         ..Config::default()
     };
+    tweak(&mut cfg);
     (hira_router::start(cfg).unwrap(), socket)
 }
 
@@ -258,6 +274,40 @@ fn sync_request_gets_reply_and_is_accounted() {
     assert_eq!(t.device_ns, DEVICE_NS_PER_REPLY);
     assert_eq!(t.pid, std::process::id() as i32);
     assert!(t.alive);
+}
+
+#[test]
+fn allocation_past_the_quota_is_refused_and_release_frees() {
+    let (_router, socket) = start_with(false, |c| c.memory.quota = Some(8192));
+    let (mut g, _) = Guest::admitted(&socket, 1);
+    let op = hira_opencl::OP_CLCREATEBUFFER;
+
+    let (_, first) = g.call(op, 2, &create_buffer_payload(6000));
+    let (over_h, over) = g.call(op, 3, &create_buffer_payload(4096));
+    let held = stats(&socket).remove(0).mem_held;
+    let id = Reader::new(&first[8..]).u64().unwrap();
+    g.send(&frame(
+        Kind::Request,
+        hira_opencl::OP_CLRELEASEMEMOBJECT,
+        4,
+        flags::ASYNC,
+        &id.to_le_bytes(),
+    ));
+    let (_, again) = g.call(op, 5, &create_buffer_payload(4096));
+    let t = stats(&socket).remove(0);
+
+    assert_eq!(status(&first), 0);
+    assert_eq!(
+        (over_h.kind, over_h.opcode, over_h.seq),
+        (Kind::Reply, op, 3)
+    );
+    assert_eq!(over, cl::CL_MEM_OBJECT_ALLOCATION_FAILURE.to_le_bytes());
+    assert_eq!(held, 6000);
+    assert_eq!(status(&again), 0);
+    assert_eq!(t.mem_held, 4096);
+    assert_eq!(t.mem_quota, 8192);
+    assert_eq!(t.alloc_refused, 1);
+    assert_eq!(t.alloc_requested, 6000 + 4096 + 4096);
 }
 
 #[test]
