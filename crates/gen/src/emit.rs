@@ -226,40 +226,58 @@ pub fn common(spec: &Spec) -> String {
     let _ = writeln!(s, "/// Device-memory bytes an allocating request asks for (the spec's `allocates`),\n/// decoded from its payload; None for other opcodes or when it cannot be read.");
     let _ = writeln!(s, "pub fn alloc_request_bytes(opcode: u16, payload: &[u8]) -> Option<u64> {{\n    let mut r = hira_wire::Reader::new(payload);\n    match opcode {{");
     for f in &spec.functions {
-        let Some(Expr::Var(v)) = &f.allocates else {
+        let Some(size) = &f.allocates else {
             continue;
         };
         if !f.is_forwarded() {
             continue;
         }
+        // Decode every parameter into a local of its wire form, then evaluate the spec's
+        // expression over them (helpers in `cl::wire` read inline blobs).
         let _ = writeln!(s, "        {} => {{", op_const(f));
         for p in &f.params {
-            if &p.name == v {
-                let _ = writeln!(s, "            r.u64().ok()\n        }}");
-                break;
-            }
-            let _ = writeln!(s, "            {}", skip_param(spec, p));
+            let _ = writeln!(s, "            {}", read_param(spec, p));
         }
+        let _ = writeln!(s, "            Some({})\n        }}", wire_expr(spec, f, size));
     }
     let _ = writeln!(s, "        _ => None,\n    }}\n}}");
     s
 }
 
-/// Code that skips one parameter's encoding in a request payload (router side).
-fn skip_param(spec: &Spec, p: &hira_spec::Param) -> String {
+/// Code that reads one parameter's encoding from a request payload into a local (router side).
+fn read_param(spec: &Spec, p: &hira_spec::Param) -> String {
+    let n = &p.name;
     match &p.kind {
-        ParamKind::Value if spec.handle(&p.ty.base).is_some() || p.ty.ptrs == 0 => {
-            "r.u64().ok()?;".into()
-        }
+        ParamKind::Value if spec.handle(&p.ty.base).is_some() || p.ty.ptrs == 0 => format!("let {n} = r.u64().ok()?;"),
         ParamKind::Errcode | ParamKind::UserData => String::new(),
-        ParamKind::Callback { .. } => "r.u64().ok()?;".into(),
-        ParamKind::OutElement if elem(spec, &p.ty).1.is_some() => "r.u64().ok()?;".into(),
+        ParamKind::Callback { .. } => format!("let _{n} = r.u64().ok()?;"),
+        ParamKind::OutElement if elem(spec, &p.ty).1.is_some() => format!("let _{n} = r.u64().ok()?;"),
         ParamKind::OutElement | ParamKind::OutArray(_) | ParamKind::OutBuffer { .. } => {
-            "r.out_spec().ok()?;".into()
+            format!("let _{n} = r.out_spec().ok()?;")
         }
-        ParamKind::KernelArg(_) => "return None;".into(),
-        ParamKind::Strings { .. } => "return None;".into(),
-        _ => "r.blob().ok()?;".into(),
+        ParamKind::KernelArg(_) | ParamKind::Strings { .. } => "return None;".into(),
+        _ => format!("let {n} = r.blob().ok()?;"),
+    }
+}
+
+/// An allocation-size expression over decoded wire values (router side).
+fn wire_expr(spec: &Spec, f: &Function, e: &Expr) -> String {
+    match e {
+        Expr::Num(n) => format!("{n}u64"),
+        Expr::Var(v) => {
+            let p = f.param(v).expect("checked by the spec parser");
+            if p.ty.ptrs == 0 && spec.handle(&p.ty.base).is_none() {
+                v.clone()
+            } else {
+                format!("cl::wire::inline(&{v})")
+            }
+        }
+        Expr::Mul(a, b) => format!("{}.saturating_mul({})", wire_expr(spec, f, a), wire_expr(spec, f, b)),
+        Expr::Add(a, b) => format!("{}.saturating_add({})", wire_expr(spec, f, a), wire_expr(spec, f, b)),
+        Expr::Call(name, args) => {
+            let a: Vec<String> = args.iter().map(|a| wire_expr(spec, f, a)).collect();
+            format!("cl::wire::{name}({})?", a.join(", "))
+        }
     }
 }
 

@@ -160,6 +160,48 @@ pub fn image_desc_bytes(
     }
 }
 
+/// The spec's size helpers over values as they travel on the wire (the router's view of a
+/// request): `None` when an argument is missing or not inline.
+pub mod wire {
+    use super::*;
+
+    /// The bytes of an inline blob.
+    pub fn inline<'a>(b: &hira_wire::Blob<'a>) -> Option<&'a [u8]> {
+        match *b {
+            hira_wire::Blob::Inline(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    fn u32_at(b: &[u8], i: usize) -> Option<u32> {
+        Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?))
+    }
+
+    fn u64_at(b: &[u8], i: usize) -> Option<u64> {
+        Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?))
+    }
+
+    fn elem(format: Option<&[u8]>) -> Option<u64> {
+        let f = format?;
+        image_element_size(u32_at(f, 0)?, u32_at(f, 4)?)
+    }
+
+    /// Bytes of an image created from a wire `cl_image_format` and `cl_image_desc`.
+    pub fn image_size(format: Option<&[u8]>, desc: Option<&[u8]>) -> Option<u64> {
+        let d = desc?;
+        let dims = [u64_at(d, 8)?, u64_at(d, 16)?, u64_at(d, 24)?, u64_at(d, 32)?];
+        Some(image_desc_bytes(u32_at(d, 0)?, dims, u64_at(d, 40)?, u64_at(d, 48)?, elem(format)?))
+    }
+
+    pub fn image2d_size(format: Option<&[u8]>, w: u64, h: u64, row_pitch: u64) -> Option<u64> {
+        Some(image_desc_bytes(CL_MEM_OBJECT_IMAGE2D, [w, h, 0, 0], row_pitch, 0, elem(format)?))
+    }
+
+    pub fn image3d_size(format: Option<&[u8]>, w: u64, h: u64, d: u64, row_pitch: u64, slice_pitch: u64) -> Option<u64> {
+        Some(image_desc_bytes(CL_MEM_OBJECT_IMAGE3D, [w, h, d, 0], row_pitch, slice_pitch, elem(format)?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -77,11 +77,29 @@ mod tests {
     }
 
     #[test]
+    fn alloc_hook_reads_image_size() {
+        let mut w = hira_wire::Writer::default();
+        w.u64(7); // context id
+        w.u64(0); // flags
+        let format = [0x10B5u32.to_le_bytes(), 0x10DEu32.to_le_bytes()].concat(); // RGBA float
+        w.blob(hira_wire::Blob::Inline(&format));
+        let mut desc = [0u8; 72];
+        desc[0..4].copy_from_slice(&cl::CL_MEM_OBJECT_IMAGE2D.to_le_bytes());
+        desc[8..16].copy_from_slice(&64u64.to_le_bytes());
+        desc[16..24].copy_from_slice(&32u64.to_le_bytes());
+        w.blob(hira_wire::Blob::Inline(&desc));
+        w.blob(hira_wire::Blob::Null); // host_ptr
+
+        assert_eq!(alloc_request_bytes(OP_CLCREATEIMAGE, &w.buf), Some(64 * 32 * 16));
+    }
+
+    #[test]
     fn alloc_hook_reads_buffer_size() {
         let mut w = hira_wire::Writer::default();
         w.u64(7); // context id
         w.u64(0); // flags
         w.u64(4096); // size
+        w.blob(hira_wire::Blob::Null); // host_ptr
 
         assert_eq!(alloc_request_bytes(OP_CLCREATEBUFFER, &w.buf), Some(4096));
     }

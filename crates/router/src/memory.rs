@@ -243,21 +243,10 @@ pub fn refusal_code(e: &MemError) -> i32 {
     }
 }
 
-/// Device-memory bytes an allocating request asks for: the spec's decoder, plus pipes
-/// (packet size × packets). None when the size cannot be read (images).
+/// Device-memory bytes an allocating request asks for, by the spec's `allocates`
+/// expression decoded from the payload (buffers, images, pipes). None when it cannot be read.
 pub fn request_bytes(opcode: u16, payload: &[u8]) -> Option<u64> {
-    if let Some(n) = hira_opencl::alloc_request_bytes(opcode, payload) {
-        return Some(n);
-    }
-    if opcode == hira_opencl::OP_CLCREATEPIPE {
-        // context, flags, pipe_packet_size, pipe_max_packets, ...
-        let mut r = hira_wire::Reader::new(payload);
-        r.u64().ok()?;
-        r.u64().ok()?;
-        let (size, packets) = (r.u64().ok()?, r.u64().ok()?);
-        return Some(size.saturating_mul(packets));
-    }
-    None
+    hira_opencl::alloc_request_bytes(opcode, payload)
 }
 
 /// The object a creating call's reply names: payload `[status i32][deferred i32 if
@@ -512,6 +501,7 @@ mod tests {
         w.u64(0);
         w.u64(64);
         w.u64(1000);
+        w.blob(hira_wire::Blob::Null); // properties
 
         assert_eq!(
             request_bytes(hira_opencl::OP_CLCREATEPIPE, &w.buf),

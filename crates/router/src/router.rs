@@ -910,12 +910,15 @@ impl Tenant {
         let info = hira_opencl::op(h.opcode)?;
         if info.allocates {
             let Some(bytes) = memory::request_bytes(h.opcode, payload) else {
-                debug!(
+                // The guest library always sends sizes the router can read; anything else
+                // would be an allocation that escapes the quota.
+                info!(
                     tenant = self.m.id,
                     op = info.name,
-                    "allocation size unreadable; not charged"
+                    "allocation whose size cannot be read refused"
                 );
-                return None;
+                self.m.alloc_refused.fetch_add(1, Relaxed);
+                return Some(hira_opencl::cl::CL_INVALID_VALUE);
             };
             self.m.alloc_requested.fetch_add(bytes, Relaxed);
             let refused = self

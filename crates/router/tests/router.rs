@@ -169,6 +169,7 @@ fn create_buffer_payload(size: u64) -> Vec<u8> {
     w.u64(7);
     w.u64(0);
     w.u64(size);
+    w.blob(hira_wire::Blob::Null);
     w.buf
 }
 
