@@ -3,8 +3,10 @@
 //! (~1 ms of device time) or a 5× longer "long-madd", keeping a few launches queued; the
 //! router's per-tenant device time (its DONE frames) is sampled every 50 ms. Reported per
 //! policy: AvA's unfairness |t₁−t₂|/(t₁+t₂) between the two groups over 500 ms and 1 s
-//! windows (median, max), device utilization, throughput relative to FIFO; a PNG of every
-//! tenant's device share over time (GPUvm Fig. 7). A weights mode reports shares against
+//! windows (median, max), device utilization, throughput relative to FIFO, device time
+//! reported per second of wall time ("kernels"), the short group's share of device time and
+//! device switches per second; a PNG of every tenant's device share over time (GPUvm
+//! Fig. 7), with a title, labelled axes and a legend. A weights mode reports shares against
 //! entitlements, with an optional live weight change.
 
 use std::ffi::c_void;
@@ -271,11 +273,16 @@ pub struct FairOpts {
     pub icd: PathBuf,
 }
 
+/// (time since start s, per-tenant kernel ns, per-tenant kernels, device busy ns, device
+/// switches), all cumulative.
+type Sample = (f64, Vec<u64>, Vec<u64>, u64, u64);
+
 /// One policy's run: cumulative samples.
 struct Run {
     policy: String,
-    /// (time since start s, per-tenant kernel ns, per-tenant kernels, device busy ns).
-    samples: Vec<(f64, Vec<u64>, Vec<u64>, u64)>,
+    /// (time since start s, per-tenant kernel ns, per-tenant kernels, device busy ns,
+    /// device switches).
+    samples: Vec<Sample>,
     long: Vec<bool>,
     weights: Vec<u32>,
     /// When the weights were changed (weights mode, live).
@@ -293,6 +300,13 @@ pub struct Summary {
     pub util: f64,
     /// Work done per second, short kernels = 1, long = 5.
     pub work_per_s: f64,
+    /// The short-kernel group's share of device time over the whole run (fair: 50 %).
+    pub short_share: f64,
+    /// Device switches between tenants per second.
+    pub switches_per_s: f64,
+    /// Device time reported by DONE frames per second of wall time, all tenants: about 1
+    /// when the device is exclusive and never idle, above 1 when kernels overlap.
+    pub kernel_load: f64,
 }
 
 fn spawn_tenant(o: &FairOpts, socket: Option<&Path>, iters: u32, seconds: f64) -> Result<Child> {
@@ -363,7 +377,8 @@ fn run_policy(o: &FairOpts, policy: &str, short: u32, weights: &[u32]) -> Result
             .map(|&p| get(p).map_or(0, |t| t.sched.kernels))
             .collect();
         let now = start.elapsed().as_secs_f64();
-        samples.push((now, ns, k.clone(), handle.device().busy_ns));
+        let device = handle.device();
+        samples.push((now, ns, k.clone(), device.busy_ns, device.switches));
         if ready_at.is_none() && k.iter().all(|&x| x > 0) {
             ready_at = Some(Instant::now());
         }
@@ -466,31 +481,39 @@ fn max(v: &[f64]) -> f64 {
 fn summarize(run: &Run) -> Summary {
     let u500 = unfairness(run, 0.5);
     let u1 = unfairness(run, 1.0);
-    let (util, work_per_s) = match (run.samples.first(), run.samples.last()) {
-        (Some(a), Some(b)) if b.0 > a.0 => {
-            let dt = b.0 - a.0;
-            let work: f64 =
-                b.2.iter()
-                    .zip(&a.2)
-                    .enumerate()
-                    .map(|(i, (x, y))| {
-                        let f = if run.long[i] { LONG_FACTOR } else { 1 };
-                        (x.saturating_sub(*y) * u64::from(f)) as f64
-                    })
-                    .sum();
-            (b.3.saturating_sub(a.3) as f64 / 1e9 / dt, work / dt)
-        }
-        _ => (f64::NAN, f64::NAN),
-    };
-    Summary {
+    let mut sum = Summary {
         policy: run.policy.clone(),
         med500: median(&u500),
         max500: max(&u500),
         med1s: median(&u1),
         max1s: max(&u1),
-        util,
-        work_per_s,
+        util: f64::NAN,
+        work_per_s: f64::NAN,
+        short_share: f64::NAN,
+        switches_per_s: f64::NAN,
+        kernel_load: f64::NAN,
+    };
+    let (Some(a), Some(b)) = (run.samples.first(), run.samples.last()) else {
+        return sum;
+    };
+    let dt = b.0 - a.0;
+    if dt <= 0.0 {
+        return sum;
     }
+    let delta = |x: &u64, y: &u64| x.saturating_sub(*y) as f64;
+    let mut work = 0.0;
+    let mut ns = [0.0; 2];
+    for (i, long) in run.long.iter().enumerate() {
+        let f = if *long { LONG_FACTOR } else { 1 };
+        work += delta(&b.2[i], &a.2[i]) * f64::from(f);
+        ns[usize::from(*long)] += delta(&b.1[i], &a.1[i]);
+    }
+    sum.util = delta(&b.3, &a.3) / 1e9 / dt;
+    sum.work_per_s = work / dt;
+    sum.short_share = ns[0] / (ns[0] + ns[1]).max(1.0);
+    sum.switches_per_s = delta(&b.4, &a.4) / dt;
+    sum.kernel_load = (ns[0] + ns[1]) / 1e9 / dt;
+    sum
 }
 
 /// The fairness table (percentages), throughput relative to the `fifo` row.
@@ -500,7 +523,7 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
         .find(|r| r.policy == "fifo")
         .map(|r| r.work_per_s);
     let mut s = format!(
-        "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>10}\n",
+        "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>10} {:>7} {:>7} {:>9}\n",
         "policy",
         "tenants",
         "med 0.5s",
@@ -509,7 +532,10 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
         "max 1s",
         "util",
         "thr/FIFO",
-        "work/s"
+        "work/s",
+        "kernels",
+        "short",
+        "switch/s"
     );
     for r in rows {
         let rel = fifo.map_or("-".to_string(), |f| {
@@ -517,7 +543,7 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
         });
         let _ = writeln!(
             s,
-            "{:<10} {:>7} {:>8.1}% {:>8.1}% {:>8.1}% {:>8.1}% {:>6.0}% {:>9} {:>10.0}",
+            "{:<10} {:>7} {:>8.1}% {:>8.1}% {:>8.1}% {:>8.1}% {:>6.0}% {:>9} {:>10.0} {:>6.0}% {:>6.1}% {:>9.0}",
             r.policy,
             tenants,
             100.0 * r.med500,
@@ -526,7 +552,10 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
             100.0 * r.max1s,
             100.0 * r.util,
             rel,
-            r.work_per_s
+            r.work_per_s,
+            100.0 * r.kernel_load,
+            100.0 * r.short_share,
+            r.switches_per_s
         );
     }
     s
@@ -563,7 +592,11 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
         if let Some(dir) = &o.png {
             std::fs::create_dir_all(dir)?;
             let path = dir.join(format!("fairness-{p}-{}.png", o.tenants));
-            share_png(&run, &path)?;
+            let title = format!(
+                "{p}: {} tenants, short (1 ms) and long (5 ms) kernels",
+                o.tenants
+            );
+            share_png(&run, &title, &path)?;
             eprintln!("wrote {}", path.display());
         }
         rows.push(summarize(&run));
@@ -613,8 +646,15 @@ fn weighted(o: &FairOpts, short: u32, weights: &[u32], mut report: String) -> Re
     let run = run_policy(o, policy, short, weights)?;
     if let Some(dir) = &o.png {
         std::fs::create_dir_all(dir)?;
-        let path = dir.join(format!("weights-{policy}.png"));
-        share_png(&run, &path)?;
+        let live = if o.live { "-live" } else { "" };
+        let path = dir.join(format!("weights-{policy}{live}.png"));
+        let ratio: Vec<String> = weights.iter().map(u32::to_string).collect();
+        let title = format!(
+            "{policy}: weights {}{}",
+            ratio.join(":"),
+            if o.live { ", reversed halfway" } else { "" }
+        );
+        share_png(&run, &title, &path)?;
         eprintln!("wrote {}", path.display());
     }
     let entitled = |w: &[u32]| -> Vec<f64> {
@@ -715,9 +755,10 @@ fn weighted(o: &FairOpts, short: u32, weights: &[u32], mut report: String) -> Re
 
 // ---- the share-over-time picture ----
 
-const W: usize = 800;
-const H: usize = 360;
-const MARGIN: usize = 30;
+const W: usize = 1000;
+const H: usize = 420;
+/// The plot area: left, top, right, bottom.
+const PLOT: (usize, usize, usize, usize) = (60, 40, 820, 370);
 const COLORS: [[u8; 3]; 8] = [
     [31, 119, 180],
     [255, 127, 14],
@@ -728,44 +769,192 @@ const COLORS: [[u8; 3]; 8] = [
     [227, 119, 194],
     [127, 127, 127],
 ];
+const BLACK: [u8; 3] = [0, 0, 0];
+const GRID: [u8; 3] = [220, 220, 220];
 
-/// Every tenant's share of device time over a sliding 500 ms window, as a PNG.
-fn share_png(run: &Run, path: &Path) -> Result<()> {
-    let mut img = vec![255u8; W * H * 3];
-    let (x0, y0, x1, y1) = (MARGIN, MARGIN / 2, W - MARGIN / 2, H - MARGIN);
-    let mut put = |img: &mut Vec<u8>, x: usize, y: usize, c: [u8; 3]| {
-        if x < W && y < H {
-            img[(y * W + x) * 3..(y * W + x) * 3 + 3].copy_from_slice(&c);
+/// A 3×5 pixel font (rows top to bottom, bit 2 = left column), drawn at twice the size.
+fn glyph(c: char) -> [u8; 5] {
+    match c.to_ascii_uppercase() {
+        '0' => [7, 5, 5, 5, 7],
+        '1' => [2, 6, 2, 2, 7],
+        '2' => [7, 1, 7, 4, 7],
+        '3' => [7, 1, 7, 1, 7],
+        '4' => [5, 5, 7, 1, 1],
+        '5' => [7, 4, 7, 1, 7],
+        '6' => [7, 4, 7, 5, 7],
+        '7' => [7, 1, 1, 2, 2],
+        '8' => [7, 5, 7, 5, 7],
+        '9' => [7, 5, 7, 1, 7],
+        'A' => [2, 5, 7, 5, 5],
+        'B' => [6, 5, 6, 5, 6],
+        'C' => [3, 4, 4, 4, 3],
+        'D' => [6, 5, 5, 5, 6],
+        'E' => [7, 4, 6, 4, 7],
+        'F' => [7, 4, 6, 4, 4],
+        'G' => [3, 4, 5, 5, 3],
+        'H' => [5, 5, 7, 5, 5],
+        'I' => [7, 2, 2, 2, 7],
+        'J' => [1, 1, 1, 5, 2],
+        'K' => [5, 5, 6, 5, 5],
+        'L' => [4, 4, 4, 4, 7],
+        'M' => [5, 7, 7, 5, 5],
+        'N' => [6, 5, 5, 5, 5],
+        'O' => [2, 5, 5, 5, 2],
+        'P' => [6, 5, 6, 4, 4],
+        'Q' => [2, 5, 5, 6, 3],
+        'R' => [6, 5, 6, 5, 5],
+        'S' => [3, 4, 2, 1, 6],
+        'T' => [7, 2, 2, 2, 2],
+        'U' => [5, 5, 5, 5, 7],
+        'V' => [5, 5, 5, 5, 2],
+        'W' => [5, 5, 7, 7, 5],
+        'X' => [5, 5, 2, 5, 5],
+        'Y' => [5, 5, 2, 2, 2],
+        'Z' => [7, 1, 2, 4, 7],
+        '%' => [4, 1, 2, 4, 1],
+        '.' => [0, 0, 0, 0, 2],
+        ',' => [0, 0, 0, 2, 4],
+        ':' => [0, 2, 0, 2, 0],
+        '-' => [0, 0, 7, 0, 0],
+        '=' => [0, 7, 0, 7, 0],
+        '/' => [1, 1, 2, 4, 4],
+        '(' => [1, 2, 2, 2, 1],
+        ')' => [4, 2, 2, 2, 4],
+        _ => [0; 5],
+    }
+}
+
+/// Pixels a text is wide.
+fn text_width(s: &str) -> usize {
+    s.chars().count() * 8
+}
+
+/// An RGB canvas.
+struct Canvas {
+    rgb: Vec<u8>,
+}
+
+impl Canvas {
+    fn new() -> Canvas {
+        Canvas {
+            rgb: vec![255u8; W * H * 3],
         }
+    }
+
+    fn put(&mut self, x: i64, y: i64, c: [u8; 3]) {
+        if (0..W as i64).contains(&x) && (0..H as i64).contains(&y) {
+            let i = (y as usize * W + x as usize) * 3;
+            self.rgb[i..i + 3].copy_from_slice(&c);
+        }
+    }
+
+    fn rect(&mut self, x: usize, y: usize, w: usize, h: usize, c: [u8; 3]) {
+        for yy in y..y + h {
+            for xx in x..x + w {
+                self.put(xx as i64, yy as i64, c);
+            }
+        }
+    }
+
+    /// Text with its top left corner at (x, y).
+    fn text(&mut self, x: usize, y: usize, s: &str, c: [u8; 3]) {
+        for (i, ch) in s.chars().enumerate() {
+            for (row, bits) in glyph(ch).iter().enumerate() {
+                for col in 0..3 {
+                    if bits & (4 >> col) != 0 {
+                        self.rect(x + i * 8 + col * 2, y + row * 2, 2, 2, c);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A line two pixels thick (Bresenham).
+    fn line(&mut self, (mut x0, mut y0): (i64, i64), (x1, y1): (i64, i64), c: [u8; 3]) {
+        let (dx, dy) = ((x1 - x0).abs(), -(y1 - y0).abs());
+        let (sx, sy) = (if x0 < x1 { 1 } else { -1 }, if y0 < y1 { 1 } else { -1 });
+        let mut err = dx + dy;
+        loop {
+            self.put(x0, y0, c);
+            self.put(x0, y0 + 1, c);
+            if x0 == x1 && y0 == y1 {
+                break;
+            }
+            let e2 = 2 * err;
+            if e2 >= dy {
+                err += dy;
+                x0 += sx;
+            }
+            if e2 <= dx {
+                err += dx;
+                y0 += sy;
+            }
+        }
+    }
+}
+
+/// What a tenant is, for the legend.
+fn tenant_label(run: &Run, i: usize) -> String {
+    let kind = if run.long.get(i).copied().unwrap_or(false) {
+        "long"
+    } else {
+        "short"
     };
-    // Axes and a grid line every 25 %.
+    match run.changed_at {
+        Some(_) => format!(
+            "t{i} {kind} w{}-{}",
+            run.weights[i],
+            run.weights[run.weights.len() - 1 - i]
+        ),
+        None => format!("t{i} {kind} w{}", run.weights[i]),
+    }
+}
+
+/// Every tenant's share of device time over a sliding 500 ms window, as a PNG: title,
+/// labelled axes (share in %, seconds since the measured part began), one line per tenant
+/// and a legend; in weights mode with a live change, a dashed line marks the change.
+fn share_png(run: &Run, title: &str, path: &Path) -> Result<()> {
+    let mut cv = Canvas::new();
+    let (x0, y0, x1, y1) = PLOT;
+    cv.text(x0, 4, title, BLACK);
+    // Grid and y labels every 25 %.
     for q in 0..=4 {
         let y = y1 - (y1 - y0) * q / 4;
-        for x in x0..=x1 {
-            put(
-                &mut img,
-                x,
-                y,
-                if q == 0 { [0, 0, 0] } else { [220, 220, 220] },
-            );
-        }
+        let c = if q == 0 { BLACK } else { GRID };
+        cv.rect(x0, y, x1 - x0 + 1, 1, c);
+        let label = format!("{}%", q * 25);
+        cv.text(x0 - 8 - text_width(&label), y - 5, &label, BLACK);
     }
-    for y in y0..=y1 {
-        put(&mut img, x0, y, [0, 0, 0]);
-    }
+    cv.rect(x0, y0, 1, y1 - y0 + 1, BLACK);
+    let xlabel = "time (s)";
+    cv.text((x0 + x1 - text_width(xlabel)) / 2, H - 22, xlabel, BLACK);
+    cv.text(4, y0 - 16, "device share, 0.5 s window", BLACK);
     let s = &run.samples;
     let lag = (0.5 / SAMPLE.as_secs_f64()).round() as usize;
     if s.len() > lag + 1 {
         let (t0, t1) = (s[lag].0, s[s.len() - 1].0);
         let span = (t1 - t0).max(1e-9);
-        // Seconds ticks.
-        let mut t = t0.ceil();
-        while t <= t1 {
-            let x = x0 + ((t - t0) / span * (x1 - x0) as f64) as usize;
-            for y in y1..y1 + 5 {
-                put(&mut img, x, y, [0, 0, 0]);
+        let xpos = |t: f64| x0 as f64 + (t - t0) / span * (x1 - x0) as f64;
+        // A tick and a label every second.
+        let mut k = 0u32;
+        while t0 + f64::from(k) <= t1 {
+            let x = xpos(t0 + f64::from(k)) as usize;
+            cv.rect(x, y1, 1, 6, BLACK);
+            let label = k.to_string();
+            cv.text(
+                x.saturating_sub(text_width(&label) / 2),
+                y1 + 9,
+                &label,
+                BLACK,
+            );
+            k += 1;
+        }
+        if let Some(c) = run.changed_at.filter(|c| (t0..=t1).contains(c)) {
+            let x = xpos(c) as usize;
+            for y in (y0..y1).step_by(8) {
+                cv.rect(x, y, 1, 4, BLACK);
             }
-            t += 1.0;
+            cv.text(x + 4, y0 + 4, "weights reversed", BLACK);
         }
         for tenant in 0..s[0].1.len() {
             let c = COLORS[tenant % COLORS.len()];
@@ -779,55 +968,24 @@ fn share_png(run: &Run, path: &Path) -> Result<()> {
                     .collect();
                 let total: u64 = d.iter().sum();
                 let share = d[tenant] as f64 / total.max(1) as f64;
-                let x = x0 as f64 + (s[i].0 - t0) / span * (x1 - x0) as f64;
                 let y = y1 as f64 - share * (y1 - y0) as f64;
-                let p = (x as i64, y as i64);
+                let p = (xpos(s[i].0) as i64, y as i64);
                 if let Some(q) = prev {
-                    line(&mut img, q, p, c, &mut put);
+                    cv.line(q, p, c);
                 }
                 prev = Some(p);
             }
-            // Legend swatch.
-            for dx in 0..14 {
-                for dy in 0..6 {
-                    put(&mut img, x1 - 20 * (tenant + 1) + dx, y0 + 4 + dy, c);
-                }
-            }
         }
     }
-    std::fs::write(path, png(&img, W, H))?;
+    // Legend, right of the plot.
+    for tenant in 0..run.weights.len() {
+        let c = COLORS[tenant % COLORS.len()];
+        let y = y0 + 4 + tenant * 20;
+        cv.rect(x1 + 16, y + 2, 18, 6, c);
+        cv.text(x1 + 40, y, &tenant_label(run, tenant), BLACK);
+    }
+    std::fs::write(path, png(&cv.rgb, W, H))?;
     Ok(())
-}
-
-fn line(
-    img: &mut Vec<u8>,
-    (mut x0, mut y0): (i64, i64),
-    (x1, y1): (i64, i64),
-    c: [u8; 3],
-    put: &mut impl FnMut(&mut Vec<u8>, usize, usize, [u8; 3]),
-) {
-    // Bresenham, two pixels thick.
-    let (dx, dy) = ((x1 - x0).abs(), -(y1 - y0).abs());
-    let (sx, sy) = (if x0 < x1 { 1 } else { -1 }, if y0 < y1 { 1 } else { -1 });
-    let mut err = dx + dy;
-    loop {
-        if x0 >= 0 && y0 >= 0 {
-            put(img, x0 as usize, y0 as usize, c);
-            put(img, x0 as usize, y0 as usize + 1, c);
-        }
-        if x0 == x1 && y0 == y1 {
-            break;
-        }
-        let e2 = 2 * err;
-        if e2 >= dy {
-            err += dy;
-            x0 += sx;
-        }
-        if e2 <= dx {
-            err += dx;
-            y0 += sy;
-        }
-    }
 }
 
 /// An RGB image as a PNG file (stored, uncompressed deflate blocks).
@@ -900,7 +1058,7 @@ mod tests {
             policy: "x".into(),
             samples: samples
                 .into_iter()
-                .map(|(t, ns)| (t, ns.clone(), ns, 0))
+                .map(|(t, ns)| (t, ns.clone(), ns, 0, 0))
                 .collect(),
             long: vec![false, true],
             weights: vec![1, 1],

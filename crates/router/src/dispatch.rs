@@ -3,10 +3,27 @@
 //! connection blocks in [`Dispatcher::acquire`] (so a connection's frames stay in order);
 //! the server's DONE frame ends the command ([`Dispatcher::complete`]).
 //!
-//! Up to `max_inflight` commands may be dispatched and not yet done, so the device never
-//! idles while the router turns around; each slot goes to the tenant the scheduler picks.
-//! Only device time reported by the server is charged: the router's own switching time is
-//! never counted. The clock is a monotonic [`Instant`] converted to nanoseconds.
+//! The device belongs to one tenant at a time, its *owner*. PoCL (like a GPU driver) runs
+//! the kernels of different processes at the same time, so with several tenants' kernels
+//! out at once their measured device times overlap and no policy can shape the shares. The
+//! owner may have up to `max_inflight` commands dispatched and not yet done (pipelining: the
+//! device does not idle while the router turns around). Whenever the owner has a command
+//! ready and a slot is free the scheduler is asked (`pick`): if it names the owner, the
+//! command goes; if it names another tenant, the owner is fed no more, its commands drain,
+//! and the device switches to the tenant named, whose command goes first (GPUvm: the
+//! device is not preemptible). An owner with commands out but none ready is not asked
+//! about: its next command is on its way, and asking would hand the device over on a
+//! momentary gap. An owner that drains with nothing ready keeps the device a little
+//! longer (`band_wait`, 500 µs by default) for its next command, and the scheduler hears of
+//! its last completion only then: a tenant whose app turns around between kernels is not
+//! taken for one that went idle (WFQ would restart it at the system virtual time, and it
+//! would lose its place on every turnaround). After that the device is free and the
+//! scheduler picks anyone (this is where BAND's own short wait applies).
+//!
+//! Only device time reported by the server (DONE) is charged: draining and switching are
+//! charged to nobody (DymGPU §4.5). The clock is a monotonic [`Instant`] converted to
+//! nanoseconds; the state machine ([`State`]) takes the time as an argument, so tests
+//! drive it with a fake clock and fake completions.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -73,6 +90,15 @@ pub struct DeviceStats {
     pub completed: u64,
     /// Tenants stopped for a runaway command.
     pub runaways: u64,
+    /// The tenant the device belongs to now.
+    pub owner: Option<u64>,
+    /// Times the device went from one tenant to another the scheduler picked.
+    pub switches: u64,
+    /// Time spent draining an owner's commands before a switch (charged to nobody).
+    pub drain_ns: u64,
+    /// Times an owner that had drained got its next command in within the anticipation
+    /// and kept its place.
+    pub anticipated: u64,
 }
 
 /// One device's dispatcher.
@@ -88,58 +114,16 @@ impl std::fmt::Debug for Dispatcher {
     }
 }
 
-struct State {
-    sched: Box<dyn Scheduler>,
-    policy: PolicyKind,
-    cfg: SchedConfig,
-    max_inflight: u32,
-    inflight: u32,
-    tenants: HashMap<TenantId, Slot>,
-    next_wake: Option<Nanos>,
-    busy_ns: u64,
-    busy_since: Option<Nanos>,
-    dispatched: u64,
-    completed: u64,
-    runaways: u64,
-}
-
-#[derive(Debug)]
-struct Slot {
-    s: TenantSched,
-    waiting: u32,
-    /// Slots granted to the tenant that no thread of it has taken yet.
-    granted: u32,
-    /// Dispatch time of every command not yet done, oldest first.
-    dispatched: VecDeque<Nanos>,
-    last_done: Nanos,
-    kernels: u64,
-    kernel_ns: u64,
-    queue_wait_ns: u64,
-    stopped: Option<String>,
-}
-
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Dispatcher {
-    /// A dispatcher running `policy`, with up to `max_inflight` (at least 1) commands out.
+    /// A dispatcher running `policy`, with up to `max_inflight` (at least 1) commands of the
+    /// owner out.
     pub fn new(policy: PolicyKind, cfg: &SchedConfig, max_inflight: u32) -> Dispatcher {
         Dispatcher {
-            st: Mutex::new(State {
-                sched: new_scheduler(policy, cfg),
-                policy,
-                cfg: cfg.clone(),
-                max_inflight: max_inflight.max(1),
-                inflight: 0,
-                tenants: HashMap::new(),
-                next_wake: None,
-                busy_ns: 0,
-                busy_since: None,
-                dispatched: 0,
-                completed: 0,
-                runaways: 0,
-            }),
+            st: Mutex::new(State::new(policy, cfg, max_inflight)),
             cv: Condvar::new(),
             epoch: Instant::now(),
         }
@@ -149,47 +133,24 @@ impl Dispatcher {
         self.epoch.elapsed().as_nanos() as Nanos
     }
 
-    /// Admits tenant `t` (again: replaces its settings).
-    pub fn add(&self, t: TenantId, s: TenantSched) {
+    /// Runs `f` on the state at the current time, then wakes every waiting thread.
+    fn change<R>(&self, f: impl FnOnce(&mut State, Nanos) -> R) -> R {
         let now = self.now();
-        let mut st = lock(&self.st);
-        st.sched.add_tenant(t, &s.params, now);
-        match st.tenants.get_mut(&t) {
-            Some(slot) => slot.s = s,
-            None => {
-                st.tenants.insert(
-                    t,
-                    Slot {
-                        s,
-                        waiting: 0,
-                        granted: 0,
-                        dispatched: VecDeque::new(),
-                        last_done: now,
-                        kernels: 0,
-                        kernel_ns: 0,
-                        queue_wait_ns: 0,
-                        stopped: None,
-                    },
-                );
-            }
-        }
+        let r = f(&mut lock(&self.st), now);
         self.cv.notify_all();
+        r
     }
 
-    /// Forgets tenant `t`: its queued commands are dropped, its slots returned, its waiting
-    /// threads woken (their [`Dispatcher::acquire`] answers false). Returns its final view.
+    /// Admits tenant `t` (again: replaces its settings).
+    pub fn add(&self, t: TenantId, s: TenantSched) {
+        self.change(|st, now| st.add(t, s, now));
+    }
+
+    /// Forgets tenant `t`: its queued commands are dropped, its slots returned (the device
+    /// is free again if it owned it), its waiting threads woken (their
+    /// [`Dispatcher::acquire`] answers false). Returns its final view.
     pub fn remove(&self, t: TenantId) -> Option<SchedView> {
-        let now = self.now();
-        let mut st = lock(&self.st);
-        let view = view_of(&st, t);
-        let slot = st.tenants.remove(&t)?;
-        st.sched.remove_tenant(t, now);
-        let n = slot.dispatched.len() as u32;
-        release(&mut st, n, now);
-        pump(&mut st, now);
-        drop(st);
-        self.cv.notify_all();
-        view
+        self.change(|st, now| st.remove(t, now))
     }
 
     /// Waits until the scheduler lets tenant `t` dispatch one command. False if the tenant
@@ -198,25 +159,16 @@ impl Dispatcher {
     pub fn acquire(&self, t: TenantId) -> bool {
         let start = self.now();
         let mut st = lock(&self.st);
-        match st.tenants.get_mut(&t) {
-            None => return true,
-            Some(slot) if slot.stopped.is_some() => return false,
-            Some(slot) => slot.waiting += 1,
+        if let Some(answer) = st.enter(t, start) {
+            return answer;
         }
-        st.sched.submit(t, start);
         loop {
             let now = self.now();
-            if pump(&mut st, now) {
+            if st.pump(now) {
                 self.cv.notify_all();
             }
-            let Some(slot) = st.tenants.get_mut(&t) else {
-                return false;
-            };
-            if slot.granted > 0 {
-                slot.granted -= 1;
-                slot.waiting -= 1;
-                slot.queue_wait_ns += now.saturating_sub(start);
-                return true;
+            if let Some(answer) = st.take(t, start, now) {
+                return answer;
             }
             let sleep = st
                 .next_wake
@@ -232,54 +184,17 @@ impl Dispatcher {
 
     /// A dispatched command of `t` finished after `device_ns` of device time.
     pub fn complete(&self, t: TenantId, device_ns: Nanos) {
-        let now = self.now();
-        let mut st = lock(&self.st);
-        let Some(slot) = st.tenants.get_mut(&t) else {
-            return;
-        };
-        let was_out = slot.dispatched.pop_front().is_some();
-        slot.last_done = now;
-        slot.kernels += 1;
-        slot.kernel_ns += device_ns;
-        st.sched.complete(t, device_ns, now);
-        st.completed += 1;
-        if was_out {
-            release(&mut st, 1, now);
-        }
-        pump(&mut st, now);
-        drop(st);
-        self.cv.notify_all();
+        self.change(|st, now| st.complete(t, device_ns, now));
     }
 
     /// A dispatched command of `t` failed before reaching the device (no DONE will come).
     pub fn cancel(&self, t: TenantId) {
-        let now = self.now();
-        let mut st = lock(&self.st);
-        let Some(slot) = st.tenants.get_mut(&t) else {
-            return;
-        };
-        if slot.dispatched.pop_back().is_some() {
-            st.sched.complete(t, 0, now);
-            release(&mut st, 1, now);
-            pump(&mut st, now);
-        }
-        drop(st);
-        self.cv.notify_all();
+        self.change(|st, now| st.cancel(t, now));
     }
 
     /// Live change of a tenant's settings; effective within one scheduler window.
     pub fn set(&self, t: TenantId, s: TenantSched) -> bool {
-        let now = self.now();
-        let mut st = lock(&self.st);
-        let Some(slot) = st.tenants.get_mut(&t) else {
-            return false;
-        };
-        slot.s = s.clone();
-        st.sched.set_params(t, &s.params, now);
-        pump(&mut st, now);
-        drop(st);
-        self.cv.notify_all();
-        true
+        self.change(|st, now| st.set(t, s, now))
     }
 
     /// The tenant's current settings.
@@ -288,25 +203,9 @@ impl Dispatcher {
     }
 
     /// Switches the policy: a fresh scheduler learns every tenant, its waiting commands and
-    /// its commands still on the device.
+    /// the owner's commands still on the device.
     pub fn set_policy(&self, policy: PolicyKind) {
-        let now = self.now();
-        let mut st = lock(&self.st);
-        let mut sched = new_scheduler(policy, &st.cfg);
-        let mut ids: Vec<TenantId> = st.tenants.keys().copied().collect();
-        ids.sort_unstable();
-        for &t in &ids {
-            let slot = &st.tenants[&t];
-            sched.add_tenant(t, &slot.s.params, now);
-            for _ in 0..slot.waiting.saturating_sub(slot.granted) {
-                sched.submit(t, now);
-            }
-        }
-        st.sched = sched;
-        st.policy = policy;
-        pump(&mut st, now);
-        drop(st);
-        self.cv.notify_all();
+        self.change(|st, now| st.set_policy(policy, now));
     }
 
     /// The current policy.
@@ -318,9 +217,266 @@ impl Dispatcher {
     /// its `kernel_timeout`, if any; it is marked stopped (its waiting threads give up) and
     /// the others' clocks restart, since a stuck device delays everyone's commands.
     pub fn take_runaway(&self, why: &str) -> Option<(TenantId, Duration)> {
+        self.change(|st, now| st.take_runaway(why, now))
+    }
+
+    /// The tenant's scheduling view.
+    pub fn view(&self, t: TenantId) -> Option<SchedView> {
+        lock(&self.st).view(t)
+    }
+
+    /// The device's view.
+    pub fn device(&self) -> DeviceStats {
         let now = self.now();
-        let mut st = lock(&self.st);
-        let (t, since) = st
+        lock(&self.st).device(now)
+    }
+}
+
+/// The dispatcher's state machine; every event carries the time.
+struct State {
+    sched: Box<dyn Scheduler>,
+    policy: PolicyKind,
+    cfg: SchedConfig,
+    max_inflight: u32,
+    /// Commands granted and not yet done: all of them the owner's.
+    inflight: u32,
+    tenants: HashMap<TenantId, Slot>,
+    /// The tenant the device belongs to; `None` when it has nothing out.
+    owner: Option<TenantId>,
+    /// The tenant the scheduler picked while the owner had commands out, and when: its
+    /// command (already taken from the scheduler's queue) goes once the owner has drained.
+    next: Option<(TenantId, Nanos)>,
+    /// When the scheduler wants to be asked again (it answered `Wait`), or the owner's
+    /// anticipation ends.
+    next_wake: Option<Nanos>,
+    /// How long a drained owner with nothing ready keeps the device.
+    anticipate: Nanos,
+    /// The drained owner's last completion (device ns), not yet told to the scheduler.
+    deferred: Option<(TenantId, Nanos)>,
+    busy_ns: u64,
+    busy_since: Option<Nanos>,
+    dispatched: u64,
+    completed: u64,
+    runaways: u64,
+    switches: u64,
+    drain_ns: u64,
+    anticipated: u64,
+}
+
+#[derive(Debug)]
+struct Slot {
+    s: TenantSched,
+    /// Threads in `acquire`, including those granted and not yet awake.
+    waiting: u32,
+    /// Slots granted to the tenant that no thread of it has taken yet.
+    granted: u32,
+    /// Dispatch time of every command not yet done, oldest first.
+    dispatched: VecDeque<Nanos>,
+    last_done: Nanos,
+    kernels: u64,
+    kernel_ns: u64,
+    queue_wait_ns: u64,
+    stopped: Option<String>,
+}
+
+impl Slot {
+    /// Commands the scheduler has queued (or picked) that have no slot yet.
+    fn ready(&self) -> u32 {
+        self.waiting.saturating_sub(self.granted)
+    }
+}
+
+impl State {
+    fn new(policy: PolicyKind, cfg: &SchedConfig, max_inflight: u32) -> State {
+        State {
+            sched: new_scheduler(policy, cfg),
+            policy,
+            cfg: cfg.clone(),
+            max_inflight: max_inflight.max(1),
+            inflight: 0,
+            tenants: HashMap::new(),
+            owner: None,
+            next: None,
+            next_wake: None,
+            anticipate: cfg.band_wait,
+            deferred: None,
+            busy_ns: 0,
+            busy_since: None,
+            dispatched: 0,
+            completed: 0,
+            runaways: 0,
+            switches: 0,
+            drain_ns: 0,
+            anticipated: 0,
+        }
+    }
+
+    fn add(&mut self, t: TenantId, s: TenantSched, now: Nanos) {
+        self.sched.add_tenant(t, &s.params, now);
+        match self.tenants.get_mut(&t) {
+            Some(slot) => slot.s = s,
+            None => {
+                let slot = Slot {
+                    s,
+                    waiting: 0,
+                    granted: 0,
+                    dispatched: VecDeque::new(),
+                    last_done: now,
+                    kernels: 0,
+                    kernel_ns: 0,
+                    queue_wait_ns: 0,
+                    stopped: None,
+                };
+                self.tenants.insert(t, slot);
+            }
+        }
+    }
+
+    fn remove(&mut self, t: TenantId, now: Nanos) -> Option<SchedView> {
+        let view = self.view(t);
+        let slot = self.tenants.remove(&t)?;
+        self.sched.remove_tenant(t, now);
+        if self.next.is_some_and(|(n, _)| n == t) {
+            self.next = None;
+        }
+        if self.deferred.is_some_and(|(d, _)| d == t) {
+            self.deferred = None;
+        }
+        self.release(slot.dispatched.len() as u32, now);
+        self.pump(now);
+        view
+    }
+
+    /// A thread of `t` has a command: the answer at once, or `None`: it waits for a grant.
+    fn enter(&mut self, t: TenantId, now: Nanos) -> Option<bool> {
+        match self.tenants.get_mut(&t) {
+            None => return Some(true),
+            Some(slot) if slot.stopped.is_some() => return Some(false),
+            Some(slot) => slot.waiting += 1,
+        }
+        self.sched.submit(t, now);
+        if self.deferred.is_some_and(|(d, _)| d == t) {
+            // Back within the anticipation: busy all along, as far as the scheduler knows.
+            self.anticipated += 1;
+            self.flush(now);
+        }
+        None
+    }
+
+    /// A waiting thread of `t` (since `start`) takes a granted slot (`Some(true)`), gives up
+    /// because the tenant is gone or stopped (`Some(false)`), or waits on (`None`).
+    fn take(&mut self, t: TenantId, start: Nanos, now: Nanos) -> Option<bool> {
+        let Some(slot) = self.tenants.get_mut(&t) else {
+            return Some(false);
+        };
+        if slot.stopped.is_some() {
+            slot.waiting = slot.waiting.saturating_sub(1);
+            return Some(false);
+        }
+        if slot.granted == 0 {
+            return None;
+        }
+        slot.granted -= 1;
+        slot.waiting -= 1;
+        slot.queue_wait_ns += now.saturating_sub(start);
+        Some(true)
+    }
+
+    fn complete(&mut self, t: TenantId, device_ns: Nanos, now: Nanos) {
+        let Some(slot) = self.tenants.get_mut(&t) else {
+            return;
+        };
+        let was_out = slot.dispatched.pop_front().is_some();
+        slot.last_done = now;
+        slot.kernels += 1;
+        slot.kernel_ns += device_ns;
+        let drained_idle = slot.dispatched.is_empty() && slot.ready() == 0;
+        self.completed += 1;
+        if was_out {
+            self.release(1, now);
+        }
+        let anticipate = drained_idle
+            && self.owner == Some(t)
+            && self.inflight == 0
+            && self.next.is_none()
+            && self.anticipate > 0;
+        self.flush(now);
+        if anticipate {
+            self.deferred = Some((t, device_ns));
+        } else {
+            self.sched.complete(t, device_ns, now);
+        }
+        self.pump(now);
+    }
+
+    /// Tells the scheduler of the drained owner's last completion.
+    fn flush(&mut self, now: Nanos) {
+        if let Some((t, ns)) = self.deferred.take() {
+            self.sched.complete(t, ns, now);
+        }
+    }
+
+    fn cancel(&mut self, t: TenantId, now: Nanos) {
+        let Some(slot) = self.tenants.get_mut(&t) else {
+            return;
+        };
+        if slot.dispatched.pop_back().is_some() {
+            self.sched.complete(t, 0, now);
+            self.release(1, now);
+            self.pump(now);
+        }
+    }
+
+    fn set(&mut self, t: TenantId, s: TenantSched, now: Nanos) -> bool {
+        let Some(slot) = self.tenants.get_mut(&t) else {
+            return false;
+        };
+        slot.s = s.clone();
+        if slot.stopped.is_none() {
+            self.sched.set_params(t, &s.params, now);
+        }
+        self.pump(now);
+        true
+    }
+
+    fn set_policy(&mut self, policy: PolicyKind, now: Nanos) {
+        self.flush(now);
+        let mut sched = new_scheduler(policy, &self.cfg);
+        // The owner first, alone, so that the new policy sees its commands out as running.
+        if let Some(slot) = self
+            .owner
+            .and_then(|o| self.tenants.get(&o).map(|s| (o, s)))
+        {
+            let (o, slot) = slot;
+            sched.add_tenant(o, &slot.s.params, now);
+            for _ in 0..slot.dispatched.len() {
+                sched.submit(o, now);
+                let _ = sched.pick(now);
+            }
+        }
+        let mut ids: Vec<TenantId> = self
+            .tenants
+            .iter()
+            .filter(|(_, s)| s.stopped.is_none())
+            .map(|(&t, _)| t)
+            .collect();
+        ids.sort_unstable();
+        for &t in &ids {
+            let slot = &self.tenants[&t];
+            sched.add_tenant(t, &slot.s.params, now);
+            // Including the command of the tenant picked to go next: the new policy decides.
+            for _ in 0..slot.ready() {
+                sched.submit(t, now);
+            }
+        }
+        self.sched = sched;
+        self.policy = policy;
+        self.next = None;
+        self.pump(now);
+    }
+
+    fn take_runaway(&mut self, why: &str, now: Nanos) -> Option<(TenantId, Duration)> {
+        let (t, since) = self
             .tenants
             .iter()
             .filter(|(_, s)| s.stopped.is_none())
@@ -330,107 +486,149 @@ impl Dispatcher {
                 (now.saturating_sub(since) > limit).then_some((t, since))
             })
             .min_by_key(|&(_, since)| since)?;
-        st.runaways += 1;
-        for (&u, s) in st.tenants.iter_mut() {
+        self.runaways += 1;
+        self.flush(now);
+        for (&u, s) in self.tenants.iter_mut() {
             if u == t {
                 s.stopped = Some(why.to_string());
             } else {
                 s.last_done = s.last_done.max(now);
             }
         }
-        drop(st);
-        self.cv.notify_all();
+        // Its queued commands will never run; its commands out hold the device until the
+        // router removes it.
+        self.sched.remove_tenant(t, now);
+        if self.next.is_some_and(|(n, _)| n == t) {
+            self.next = None;
+        }
+        self.pump(now);
         Some((t, Duration::from_nanos(now.saturating_sub(since))))
     }
 
-    /// The tenant's scheduling view.
-    pub fn view(&self, t: TenantId) -> Option<SchedView> {
-        view_of(&lock(&self.st), t)
+    fn view(&self, t: TenantId) -> Option<SchedView> {
+        let slot = self.tenants.get(&t)?;
+        let ss = self.sched.stats(t).unwrap_or_default();
+        let p = &slot.s.params;
+        Some(SchedView {
+            weight: p.weight,
+            cap: p.cap,
+            priority: p.priority,
+            slo: p.slo,
+            kernel_timeout_ms: slot.s.kernel_timeout.as_millis() as u64,
+            kernels: slot.kernels,
+            kernel_ns: slot.kernel_ns,
+            charged_ns: ss.charged_ns,
+            queue_wait_ns: slot.queue_wait_ns,
+            throttled_ns: ss.throttled_ns,
+            waiting: slot.waiting,
+            inflight: slot.dispatched.len() as u32,
+            stopped: slot.stopped.clone(),
+        })
     }
 
-    /// The device's view.
-    pub fn device(&self) -> DeviceStats {
-        let now = self.now();
-        let st = lock(&self.st);
+    fn device(&self, now: Nanos) -> DeviceStats {
         DeviceStats {
-            policy: st.policy.name().to_string(),
-            max_inflight: st.max_inflight,
-            inflight: st.inflight,
-            waiting: st.tenants.values().map(|s| s.waiting).sum(),
-            busy_ns: st.busy_ns + st.busy_since.map_or(0, |b| now.saturating_sub(b)),
+            policy: self.policy.name().to_string(),
+            max_inflight: self.max_inflight,
+            inflight: self.inflight,
+            waiting: self.tenants.values().map(|s| s.waiting).sum(),
+            busy_ns: self.busy_ns + self.busy_since.map_or(0, |b| now.saturating_sub(b)),
             uptime_ns: now,
-            dispatched: st.dispatched,
-            completed: st.completed,
-            runaways: st.runaways,
+            dispatched: self.dispatched,
+            completed: self.completed,
+            runaways: self.runaways,
+            owner: self.owner,
+            switches: self.switches,
+            drain_ns: self.drain_ns,
+            anticipated: self.anticipated,
         }
     }
-}
 
-fn view_of(st: &State, t: TenantId) -> Option<SchedView> {
-    let slot = st.tenants.get(&t)?;
-    let ss = st.sched.stats(t).unwrap_or_default();
-    let p = &slot.s.params;
-    Some(SchedView {
-        weight: p.weight,
-        cap: p.cap,
-        priority: p.priority,
-        slo: p.slo,
-        kernel_timeout_ms: slot.s.kernel_timeout.as_millis() as u64,
-        kernels: slot.kernels,
-        kernel_ns: slot.kernel_ns,
-        charged_ns: ss.charged_ns,
-        queue_wait_ns: slot.queue_wait_ns,
-        throttled_ns: ss.throttled_ns,
-        waiting: slot.waiting,
-        inflight: slot.dispatched.len() as u32,
-        stopped: slot.stopped.clone(),
-    })
-}
-
-/// `n` dispatched commands are off the device.
-fn release(st: &mut State, n: u32, now: Nanos) {
-    st.inflight = st.inflight.saturating_sub(n);
-    if st.inflight == 0 {
-        if let Some(b) = st.busy_since.take() {
-            st.busy_ns += now.saturating_sub(b);
+    /// `n` dispatched commands are off the device.
+    fn release(&mut self, n: u32, now: Nanos) {
+        self.inflight = self.inflight.saturating_sub(n);
+        if self.inflight == 0 {
+            if let Some(b) = self.busy_since.take() {
+                self.busy_ns += now.saturating_sub(b);
+            }
         }
     }
-}
 
-/// Hands free slots to the tenants the scheduler picks; true if any was granted.
-fn pump(st: &mut State, now: Nanos) -> bool {
-    let mut any = false;
-    while st.inflight < st.max_inflight {
-        match st.sched.pick(now) {
-            Decision::Run(t) => {
-                let Some(slot) = st.tenants.get_mut(&t) else {
-                    // Not ours (cannot happen): give the scheduler its slot back.
-                    st.sched.complete(t, 0, now);
+    /// One slot to `t`, which owns the device from now on.
+    fn grant(&mut self, t: TenantId, now: Nanos) {
+        let Some(slot) = self.tenants.get_mut(&t) else {
+            // Not ours (cannot happen): give the scheduler its command back as done.
+            self.sched.complete(t, 0, now);
+            return;
+        };
+        slot.granted += 1;
+        slot.dispatched.push_back(now);
+        self.owner = Some(t);
+        self.inflight += 1;
+        self.dispatched += 1;
+        self.busy_since.get_or_insert(now);
+    }
+
+    /// The end of the drained owner's anticipation, while it lasts.
+    fn anticipating(&self, now: Nanos) -> Option<Nanos> {
+        let (t, _) = self.deferred?;
+        let until = self.tenants.get(&t)?.last_done + self.anticipate;
+        (now < until).then_some(until)
+    }
+
+    /// Hands free slots out as the scheduler picks; true if any was granted.
+    fn pump(&mut self, now: Nanos) -> bool {
+        let mut any = false;
+        self.next_wake = None;
+        loop {
+            if self.inflight == 0 {
+                // The owner has drained: the device switches, waits for the owner's next
+                // command a little, or is free.
+                if let Some((t, since)) = self.next.take() {
+                    self.switches += 1;
+                    self.drain_ns += now.saturating_sub(since);
+                    self.grant(t, now);
+                    any = true;
                     continue;
-                };
-                slot.granted += 1;
-                slot.dispatched.push_back(now);
-                st.inflight += 1;
-                st.dispatched += 1;
-                if st.busy_since.is_none() {
-                    st.busy_since = Some(now);
                 }
-                any = true;
+                if let Some(until) = self.anticipating(now) {
+                    self.next_wake = Some(until);
+                    break;
+                }
+                self.flush(now);
+                self.owner = None;
             }
-            Decision::Wait { until } => {
-                st.next_wake = Some(until);
-                return any;
+            if self.next.is_some() || self.inflight >= self.max_inflight {
+                break;
             }
-            Decision::Idle => break,
+            // An owner with commands out and none ready keeps the device without asking.
+            if let Some(o) = self.owner {
+                if self.tenants.get(&o).is_none_or(|s| s.ready() == 0) {
+                    break;
+                }
+            }
+            match self.sched.pick(now) {
+                Decision::Run(t) if self.owner.is_none_or(|o| o == t) => {
+                    self.grant(t, now);
+                    any = true;
+                }
+                Decision::Run(t) => self.next = Some((t, now)),
+                Decision::Wait { until } => {
+                    self.next_wake = Some(until);
+                    break;
+                }
+                Decision::Idle => break,
+            }
         }
+        any
     }
-    st.next_wake = None;
-    any
 }
 
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+
+    use hira_policy::sched::{MS, US};
 
     use super::*;
 
@@ -441,20 +639,296 @@ mod tests {
         }
     }
 
-    #[test]
-    fn lone_tenant_gets_every_slot() {
-        let d = Dispatcher::new(PolicyKind::Wfq, &SchedConfig::default(), 2);
-        d.add(1, settings(1));
+    /// A state with tenants 1..=n of weight 1.
+    fn state(policy: PolicyKind, max_inflight: u32, n: u64) -> State {
+        let mut st = State::new(policy, &SchedConfig::default(), max_inflight);
+        (1..=n).for_each(|t| st.add(t, settings(1), 0));
+        st
+    }
 
-        let first = d.acquire(1);
-        let second = d.acquire(1);
+    /// `k` commands of `t` arrive at `now`; how many of them got a slot at once.
+    fn submit(st: &mut State, t: TenantId, k: u32, now: Nanos) -> u32 {
+        (0..k).for_each(|_| assert_eq!(st.enter(t, now), None));
+        st.pump(now);
+        take_all(st, t, now)
+    }
 
-        assert!(first && second);
-        assert_eq!(d.device().inflight, 2);
+    /// Every granted slot of `t` taken by its waiting threads.
+    fn take_all(st: &mut State, t: TenantId, now: Nanos) -> u32 {
+        let mut n = 0;
+        while st.take(t, 0, now) == Some(true) {
+            n += 1;
+        }
+        n
+    }
+
+    /// Two tenants whose apps keep 3 launches outstanding, each through one connection (at
+    /// most one launch of a tenant waits in `acquire`, the next arrives once it is
+    /// granted), on a device whose every command of tenant `t` takes `kernel_ns[t - 1]`.
+    /// Device time completed per tenant after 2000 completions.
+    fn closed_loop(policy: PolicyKind, weights: [u32; 2], kernel_ns: [Nanos; 2]) -> [Nanos; 2] {
+        let mut st = State::new(policy, &SchedConfig::default(), 4);
+        st.add(1, settings(weights[0]), 0);
+        st.add(2, settings(weights[1]), 0);
+        let depth = 3;
+        // Launches of each tenant not yet granted (the first of them is in `acquire`).
+        let mut backlog = [depth, depth];
+        let mut now = 0;
+        let mut used = [0; 2];
+        let feed = |st: &mut State, backlog: &mut [u32; 2], now: Nanos| {
+            for t in [1, 2] {
+                let b = &mut backlog[t as usize - 1];
+                let mut entered = st.tenants[&t].waiting > 0;
+                while *b > 0 {
+                    if !entered {
+                        assert_eq!(st.enter(t, now), None);
+                        st.pump(now);
+                    }
+                    if st.take(t, 0, now) != Some(true) {
+                        break;
+                    }
+                    *b -= 1;
+                    entered = false;
+                }
+            }
+        };
+        feed(&mut st, &mut backlog, now);
+        for _ in 0..2000 {
+            let t = st.owner.expect("someone owns a busy device");
+            let ns = kernel_ns[t as usize - 1];
+            now += ns;
+            st.complete(t, ns, now);
+            used[t as usize - 1] += ns;
+            backlog[t as usize - 1] += 1;
+            feed(&mut st, &mut backlog, now);
+            feed(&mut st, &mut backlog, now);
+        }
+        used
     }
 
     #[test]
-    fn completion_frees_a_slot_for_a_waiter() {
+    fn lone_tenant_pipelines_up_to_max_inflight() {
+        let mut st = state(PolicyKind::Wfq, 4, 1);
+
+        let granted = submit(&mut st, 1, 6, 0);
+
+        assert_eq!(granted, 4);
+        assert_eq!(st.owner, Some(1));
+    }
+
+    #[test]
+    fn other_tenant_waits_while_the_owner_has_commands_out() {
+        let mut st = state(PolicyKind::Fifo, 4, 2);
+        submit(&mut st, 1, 2, 0);
+
+        let granted = submit(&mut st, 2, 1, US);
+
+        assert_eq!(granted, 0);
+        assert_eq!(st.device(US).inflight, 2);
+    }
+
+    #[test]
+    fn picking_another_tenant_drains_the_owner_then_switches() {
+        let mut st = state(PolicyKind::Wfq, 4, 2);
+        submit(&mut st, 1, 2, 0);
+        submit(&mut st, 2, 1, 0);
+        st.complete(1, MS, MS);
+        let owner_fed = submit(&mut st, 1, 1, MS);
+        let before = take_all(&mut st, 2, MS);
+
+        st.complete(1, MS, 2 * MS);
+
+        assert_eq!((owner_fed, before), (0, 0));
+        assert_eq!(take_all(&mut st, 2, 2 * MS), 1);
+        assert_eq!(st.owner, Some(2));
+        assert_eq!(st.device(2 * MS).switches, 1);
+        assert_eq!(st.device(2 * MS).drain_ns, MS);
+    }
+
+    #[test]
+    fn owner_between_commands_keeps_the_device() {
+        let mut st = state(PolicyKind::Wfq, 4, 2);
+        submit(&mut st, 1, 2, 0);
+        submit(&mut st, 2, 1, 0);
+
+        st.complete(1, MS, MS);
+
+        assert_eq!(take_all(&mut st, 2, MS), 0);
+        assert_eq!(st.next, None);
+    }
+
+    #[test]
+    fn drained_owner_frees_the_device_after_the_anticipation() {
+        let mut st = state(PolicyKind::Wfq, 4, 2);
+        submit(&mut st, 1, 1, 0);
+        submit(&mut st, 2, 1, 0);
+        st.complete(1, MS, MS);
+        let during = take_all(&mut st, 2, MS);
+        let wake = st.next_wake;
+
+        st.pump(MS + 500 * US);
+
+        assert_eq!((during, wake), (0, Some(MS + 500 * US)));
+        assert_eq!(take_all(&mut st, 2, MS + 500 * US), 1);
+        assert_eq!(st.owner, Some(2));
+    }
+
+    #[test]
+    fn owner_back_within_the_anticipation_keeps_its_place() {
+        let mut st = state(PolicyKind::Wfq, 4, 2);
+        submit(&mut st, 2, 1, 0);
+        st.complete(2, 10 * MS, 10 * MS);
+        submit(&mut st, 1, 1, 10 * MS);
+        st.pump(10 * MS + 500 * US);
+        take_all(&mut st, 1, 10 * MS + 500 * US);
+        submit(&mut st, 2, 1, 11 * MS);
+        st.complete(1, MS, 11 * MS + 500 * US);
+
+        let again = submit(&mut st, 1, 1, 11 * MS + 600 * US);
+
+        assert_eq!(again, 1);
+        assert_eq!(take_all(&mut st, 2, 11 * MS + 600 * US), 0);
+        assert_eq!(st.device(11 * MS + 600 * US).anticipated, 1);
+    }
+
+    #[test]
+    fn wfq_shares_device_time_by_weight() {
+        let used = closed_loop(PolicyKind::Wfq, [1, 2], [MS, 5 * MS]);
+
+        let share = used[1] as f64 / (used[0] + used[1]) as f64;
+
+        assert!((share - 2.0 / 3.0).abs() < 0.02, "share {share}");
+    }
+
+    #[test]
+    fn wfq_shares_device_time_equally_between_short_and_long_kernels() {
+        let used = closed_loop(PolicyKind::Wfq, [1, 1], [MS, 5 * MS]);
+
+        let share = used[0] as f64 / (used[0] + used[1]) as f64;
+
+        assert!((share - 0.5).abs() < 0.02, "share {share}");
+    }
+
+    #[test]
+    fn every_policy_serves_both_tenants() {
+        let starved: Vec<PolicyKind> = PolicyKind::ALL
+            .into_iter()
+            .filter(|&p| closed_loop(p, [1, 1], [MS, 5 * MS]).contains(&0))
+            .collect();
+
+        assert!(starved.is_empty(), "starved under {starved:?}");
+    }
+
+    #[test]
+    fn cap_holds_a_lone_tenant_until_the_next_window() {
+        let mut st = State::new(PolicyKind::Wfq, &SchedConfig::default(), 4);
+        let capped = TenantSched {
+            params: TenantParams {
+                cap: Some(0.1),
+                ..TenantParams::default()
+            },
+            ..settings(1)
+        };
+        st.add(1, capped, 0);
+        submit(&mut st, 1, 1, 0);
+        st.complete(1, 10 * MS, 10 * MS);
+
+        let throttled = submit(&mut st, 1, 1, 10 * MS);
+        let wake = st.next_wake;
+        st.pump(100 * MS);
+
+        assert_eq!((throttled, wake), (0, Some(100 * MS)));
+        assert_eq!(take_all(&mut st, 1, 100 * MS), 1);
+    }
+
+    #[test]
+    fn band_waits_briefly_on_a_free_device() {
+        let mut st = state(PolicyKind::Band, 4, 2);
+        submit(&mut st, 2, 1, 0);
+        submit(&mut st, 1, 1, 0);
+        st.complete(2, MS, MS);
+        st.pump(MS + 500 * US);
+        take_all(&mut st, 1, MS + 500 * US);
+        st.complete(1, 20 * MS, 21 * MS);
+
+        let waited = submit(&mut st, 1, 1, 21 * MS);
+        let wake = st.next_wake;
+        let short = submit(&mut st, 2, 1, 21 * MS + 100 * US);
+
+        assert_eq!((waited, wake), (0, Some(21 * MS + 500 * US)));
+        assert_eq!(short, 1);
+    }
+
+    #[test]
+    fn removing_the_owner_hands_the_device_on() {
+        let mut st = state(PolicyKind::Fifo, 4, 2);
+        submit(&mut st, 1, 3, 0);
+        submit(&mut st, 2, 2, 0);
+
+        st.remove(1, MS);
+
+        assert_eq!(take_all(&mut st, 2, MS), 2);
+        assert_eq!(st.owner, Some(2));
+    }
+
+    #[test]
+    fn removing_the_next_tenant_lets_the_owner_go_on() {
+        let mut st = state(PolicyKind::Wfq, 4, 2);
+        submit(&mut st, 1, 2, 0);
+        submit(&mut st, 2, 1, 0);
+        st.complete(1, MS, MS);
+        submit(&mut st, 1, 1, MS);
+
+        st.remove(2, MS);
+
+        assert_eq!(take_all(&mut st, 1, MS), 1);
+        assert_eq!(st.next, None);
+    }
+
+    #[test]
+    fn stopped_owner_gives_up_and_its_removal_frees_the_device() {
+        let mut st = state(PolicyKind::Fifo, 4, 2);
+        st.add(
+            1,
+            TenantSched {
+                kernel_timeout: Duration::ZERO,
+                ..settings(1)
+            },
+            0,
+        );
+        submit(&mut st, 1, 1, 0);
+        assert_eq!(st.enter(1, 0), None);
+        submit(&mut st, 2, 1, 0);
+
+        let runaway = st.take_runaway("runaway kernel", MS);
+        let gave_up = st.take(1, 0, MS);
+        st.remove(1, 2 * MS);
+
+        assert_eq!(runaway.map(|(t, _)| t), Some(1));
+        assert_eq!(gave_up, Some(false));
+        assert_eq!(take_all(&mut st, 2, 2 * MS), 1);
+    }
+
+    #[test]
+    fn policy_switch_keeps_the_owner_and_the_waiters() {
+        let mut st = state(PolicyKind::Wfq, 4, 2);
+        submit(&mut st, 1, 2, 0);
+        submit(&mut st, 2, 1, 0);
+        st.complete(1, MS, MS);
+        submit(&mut st, 1, 1, MS);
+
+        st.set_policy(PolicyKind::RoundRobin, MS);
+        let out = st.sched.stats(1).map(|s| s.running);
+        st.complete(1, MS, 2 * MS);
+
+        assert_eq!(st.policy, PolicyKind::RoundRobin);
+        assert_eq!(out, Some(1));
+        assert_eq!(st.device(2 * MS).inflight, 1);
+        assert_eq!(st.tenants.values().map(|s| s.granted).sum::<u32>(), 1);
+    }
+
+    #[test]
+    fn completion_frees_a_slot_for_a_waiting_thread() {
         let d = Arc::new(Dispatcher::new(
             PolicyKind::Fifo,
             &SchedConfig::default(),
@@ -475,11 +949,11 @@ mod tests {
     }
 
     #[test]
-    fn removal_returns_slots_and_wakes_waiters() {
+    fn removal_wakes_waiting_threads() {
         let d = Arc::new(Dispatcher::new(
             PolicyKind::Fifo,
             &SchedConfig::default(),
-            1,
+            4,
         ));
         d.add(1, settings(1));
         d.add(2, settings(1));
@@ -492,7 +966,7 @@ mod tests {
         d.remove(1);
 
         assert!(waiter.join().unwrap());
-        assert_eq!(d.device().inflight, 1);
+        assert_eq!(d.device().owner, Some(2));
     }
 
     #[test]
@@ -523,28 +997,5 @@ mod tests {
             d.view(1).unwrap().stopped.as_deref(),
             Some("runaway kernel")
         );
-    }
-
-    #[test]
-    fn policy_switch_keeps_waiters() {
-        let d = Arc::new(Dispatcher::new(
-            PolicyKind::Fifo,
-            &SchedConfig::default(),
-            1,
-        ));
-        d.add(1, settings(1));
-        d.add(2, settings(1));
-        assert!(d.acquire(1));
-        let waiter = {
-            let d = Arc::clone(&d);
-            std::thread::spawn(move || d.acquire(2))
-        };
-        std::thread::sleep(Duration::from_millis(5));
-
-        d.set_policy(PolicyKind::Wfq);
-        d.complete(1, 1000);
-
-        assert!(waiter.join().unwrap());
-        assert_eq!(d.policy(), PolicyKind::Wfq);
     }
 }
