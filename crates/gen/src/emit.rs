@@ -238,7 +238,11 @@ pub fn common(spec: &Spec) -> String {
         for p in &f.params {
             let _ = writeln!(s, "            {}", read_param(spec, p));
         }
-        let _ = writeln!(s, "            Some({})\n        }}", wire_expr(spec, f, size));
+        let _ = writeln!(
+            s,
+            "            Some({})\n        }}",
+            wire_expr(spec, f, size)
+        );
     }
     let _ = writeln!(s, "        _ => None,\n    }}\n}}");
     s
@@ -248,10 +252,14 @@ pub fn common(spec: &Spec) -> String {
 fn read_param(spec: &Spec, p: &hira_spec::Param) -> String {
     let n = &p.name;
     match &p.kind {
-        ParamKind::Value if spec.handle(&p.ty.base).is_some() || p.ty.ptrs == 0 => format!("let {n} = r.u64().ok()?;"),
+        ParamKind::Value if spec.handle(&p.ty.base).is_some() || p.ty.ptrs == 0 => {
+            format!("let {n} = r.u64().ok()?;")
+        }
         ParamKind::Errcode | ParamKind::UserData => String::new(),
         ParamKind::Callback { .. } => format!("let _{n} = r.u64().ok()?;"),
-        ParamKind::OutElement if elem(spec, &p.ty).1.is_some() => format!("let _{n} = r.u64().ok()?;"),
+        ParamKind::OutElement if elem(spec, &p.ty).1.is_some() => {
+            format!("let _{n} = r.u64().ok()?;")
+        }
         ParamKind::OutElement | ParamKind::OutArray(_) | ParamKind::OutBuffer { .. } => {
             format!("let _{n} = r.out_spec().ok()?;")
         }
@@ -272,8 +280,16 @@ fn wire_expr(spec: &Spec, f: &Function, e: &Expr) -> String {
                 format!("cl::wire::inline(&{v})")
             }
         }
-        Expr::Mul(a, b) => format!("{}.saturating_mul({})", wire_expr(spec, f, a), wire_expr(spec, f, b)),
-        Expr::Add(a, b) => format!("{}.saturating_add({})", wire_expr(spec, f, a), wire_expr(spec, f, b)),
+        Expr::Mul(a, b) => format!(
+            "{}.saturating_mul({})",
+            wire_expr(spec, f, a),
+            wire_expr(spec, f, b)
+        ),
+        Expr::Add(a, b) => format!(
+            "{}.saturating_add({})",
+            wire_expr(spec, f, a),
+            wire_expr(spec, f, b)
+        ),
         Expr::Call(name, args) => {
             let a: Vec<String> = args.iter().map(|a| wire_expr(spec, f, a)).collect();
             format!("cl::wire::{name}({})?", a.join(", "))

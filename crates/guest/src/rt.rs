@@ -23,6 +23,8 @@ const INLINE_MAX: u64 = 32 << 10;
 const SHM_INITIAL: usize = 64 << 20;
 /// Largest shared-memory region a connection grows to.
 const SHM_MAX: usize = 1 << 31;
+/// How long a thread waiting for a reply polls before it sleeps.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(40);
 /// Flush the batch of asynchronous calls once it holds this many bytes.
 const BATCH_MAX: usize = 64 << 10;
 
@@ -166,6 +168,7 @@ impl Connection {
     }
 
     fn read_frame(&mut self) -> Result<(Header, Vec<u8>), i32> {
+        self.reader.spin_until_readable(SPIN);
         match self
             .reader
             .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)

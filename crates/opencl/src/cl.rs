@@ -189,16 +189,46 @@ pub mod wire {
     /// Bytes of an image created from a wire `cl_image_format` and `cl_image_desc`.
     pub fn image_size(format: Option<&[u8]>, desc: Option<&[u8]>) -> Option<u64> {
         let d = desc?;
-        let dims = [u64_at(d, 8)?, u64_at(d, 16)?, u64_at(d, 24)?, u64_at(d, 32)?];
-        Some(image_desc_bytes(u32_at(d, 0)?, dims, u64_at(d, 40)?, u64_at(d, 48)?, elem(format)?))
+        let dims = [
+            u64_at(d, 8)?,
+            u64_at(d, 16)?,
+            u64_at(d, 24)?,
+            u64_at(d, 32)?,
+        ];
+        Some(image_desc_bytes(
+            u32_at(d, 0)?,
+            dims,
+            u64_at(d, 40)?,
+            u64_at(d, 48)?,
+            elem(format)?,
+        ))
     }
 
     pub fn image2d_size(format: Option<&[u8]>, w: u64, h: u64, row_pitch: u64) -> Option<u64> {
-        Some(image_desc_bytes(CL_MEM_OBJECT_IMAGE2D, [w, h, 0, 0], row_pitch, 0, elem(format)?))
+        Some(image_desc_bytes(
+            CL_MEM_OBJECT_IMAGE2D,
+            [w, h, 0, 0],
+            row_pitch,
+            0,
+            elem(format)?,
+        ))
     }
 
-    pub fn image3d_size(format: Option<&[u8]>, w: u64, h: u64, d: u64, row_pitch: u64, slice_pitch: u64) -> Option<u64> {
-        Some(image_desc_bytes(CL_MEM_OBJECT_IMAGE3D, [w, h, d, 0], row_pitch, slice_pitch, elem(format)?))
+    pub fn image3d_size(
+        format: Option<&[u8]>,
+        w: u64,
+        h: u64,
+        d: u64,
+        row_pitch: u64,
+        slice_pitch: u64,
+    ) -> Option<u64> {
+        Some(image_desc_bytes(
+            CL_MEM_OBJECT_IMAGE3D,
+            [w, h, d, 0],
+            row_pitch,
+            slice_pitch,
+            elem(format)?,
+        ))
     }
 }
 

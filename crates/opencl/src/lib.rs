@@ -42,7 +42,7 @@ pub struct OpInfo {
     pub unsupported: i32,
 }
 
-#[allow(clippy::all)]
+#[allow(clippy::all, unused_variables)]
 mod generated {
     use super::*;
     use cl::*;
@@ -90,7 +90,10 @@ mod tests {
         w.blob(hira_wire::Blob::Inline(&desc));
         w.blob(hira_wire::Blob::Null); // host_ptr
 
-        assert_eq!(alloc_request_bytes(OP_CLCREATEIMAGE, &w.buf), Some(64 * 32 * 16));
+        assert_eq!(
+            alloc_request_bytes(OP_CLCREATEIMAGE, &w.buf),
+            Some(64 * 32 * 16)
+        );
     }
 
     #[test]

@@ -157,11 +157,34 @@ impl Dispatcher {
     /// was removed or stopped meanwhile (drop the command). A tenant the dispatcher does not
     /// know passes at once.
     pub fn acquire(&self, t: TenantId) -> bool {
+        match self.try_acquire(t) {
+            Ok(answer) => answer,
+            Err(ticket) => self.wait_grant(ticket),
+        }
+    }
+
+    /// Like [`Dispatcher::acquire`] without blocking: the answer if it is ready now, else a
+    /// ticket to wait on with [`Dispatcher::wait_grant`] (the command is already queued with
+    /// the scheduler). The router sends what it has batched before it waits.
+    pub fn try_acquire(&self, t: TenantId) -> Result<bool, Ticket> {
         let start = self.now();
         let mut st = lock(&self.st);
         if let Some(answer) = st.enter(t, start) {
-            return answer;
+            return Ok(answer);
         }
+        if st.pump(start) {
+            self.cv.notify_all();
+        }
+        match st.take(t, start, start) {
+            Some(answer) => Ok(answer),
+            None => Err(Ticket { t, start }),
+        }
+    }
+
+    /// Wait for the grant of a command that [`Dispatcher::try_acquire`] queued.
+    pub fn wait_grant(&self, ticket: Ticket) -> bool {
+        let Ticket { t, start } = ticket;
+        let mut st = lock(&self.st);
         loop {
             let now = self.now();
             if st.pump(now) {
@@ -262,6 +285,20 @@ struct State {
     drain_ns: u64,
     anticipated: u64,
 }
+
+/// A command queued with the scheduler whose grant has not come yet.
+#[derive(Debug)]
+#[must_use = "wait for the grant with Dispatcher::wait_grant"]
+pub struct Ticket {
+    t: TenantId,
+    start: Nanos,
+}
+
+/// How much of the owner's device time may be queued on the device: the longest a tenant the
+/// scheduler switches to waits for the owner to drain.
+const DRAIN_BUDGET: Nanos = 2_000_000;
+/// The deepest in-flight window, for very short kernels.
+const MAX_WINDOW: u32 = 1024;
 
 #[derive(Debug)]
 struct Slot {
@@ -576,6 +613,21 @@ impl State {
         (now < until).then_some(until)
     }
 
+    /// How many commands the owner may have out: `max_inflight`, or more for short kernels —
+    /// as many as fit in [`DRAIN_BUDGET`] of its average measured device time — so a stream
+    /// of tiny launches is not made synchronous with their completions.
+    fn window(&self) -> u32 {
+        let avg = self
+            .owner
+            .and_then(|o| self.tenants.get(&o))
+            .filter(|s| s.kernels >= 8)
+            .map(|s| s.kernel_ns / s.kernels);
+        match avg {
+            Some(avg) => ((DRAIN_BUDGET / avg.max(1)) as u32).clamp(self.max_inflight, MAX_WINDOW),
+            None => self.max_inflight,
+        }
+    }
+
     /// Hands free slots out as the scheduler picks; true if any was granted.
     fn pump(&mut self, now: Nanos) -> bool {
         let mut any = false;
@@ -598,7 +650,7 @@ impl State {
                 self.flush(now);
                 self.owner = None;
             }
-            if self.next.is_some() || self.inflight >= self.max_inflight {
+            if self.next.is_some() || self.inflight >= self.window() {
                 break;
             }
             // An owner with commands out and none ready keeps the device without asking.

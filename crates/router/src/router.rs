@@ -1307,9 +1307,17 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
         let device_time =
             h.kind == Kind::Request && hira_opencl::op(h.opcode).is_some_and(|o| o.device_time);
         let sent = if device_time {
-            // Everything before the launch goes now; the launch waits for the scheduler.
-            let before = flush(r_end, &mut batch);
-            if !t.dispatch.acquire(m.id) {
+            // A launch granted at once joins the batch; one that must wait for the
+            // scheduler first lets everything before it go.
+            let mut before = Ok(());
+            let granted = match t.dispatch.try_acquire(m.id) {
+                Ok(granted) => granted,
+                Err(ticket) => {
+                    before = flush(r_end, &mut batch);
+                    t.dispatch.wait_grant(ticket)
+                }
+            };
+            if !granted {
                 // Stopped or gone: the launch is not run.
                 if sync {
                     link.fail_all(m);
@@ -1318,7 +1326,14 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
                 }
                 continue;
             }
-            let r = before.and_then(|()| r_end.send(frame, &[]));
+            batch.extend_from_slice(frame);
+            let r = before.and_then(|()| {
+                if reader.buffered() < HEADER_LEN || batch.len() >= BATCH_MAX {
+                    flush(r_end, &mut batch)
+                } else {
+                    Ok(())
+                }
+            });
             if r.is_err() {
                 t.dispatch.cancel(m.id);
             }

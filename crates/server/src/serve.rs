@@ -118,6 +118,7 @@ fn shadow(conn: Conn, mut cx: Ctx) -> anyhow::Result<()> {
     let out = conn.try_clone()?;
     let mut reader = FrameReader::new(conn);
     let mut deferred: i32 = 0;
+    // No polling here (unlike the guest): on two cores a polling server starves the router.
     while let Some(frame) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)? {
         let h = Header::parse(frame)?;
         let payload = &frame[HEADER_LEN..];
