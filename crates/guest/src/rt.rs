@@ -23,8 +23,19 @@ const INLINE_MAX: u64 = 32 << 10;
 const SHM_INITIAL: usize = 64 << 20;
 /// Largest shared-memory region a connection grows to.
 const SHM_MAX: usize = 1 << 31;
-/// How long a thread waiting for a reply polls before it sleeps.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(40);
+/// How long a thread waiting for a reply polls (yielding) before it sleeps — only while its
+/// recent replies came back faster than that. `HIRA_POLL_US` overrides it (0 = never poll):
+/// polling saves a wake-up per call, but on a CPU device it competes with the kernels.
+fn poll_window() -> std::time::Duration {
+    static W: OnceLock<std::time::Duration> = OnceLock::new();
+    *W.get_or_init(|| {
+        let us = std::env::var("HIRA_POLL_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(40);
+        std::time::Duration::from_micros(us)
+    })
+}
 /// Flush the batch of asynchronous calls once it holds this many bytes.
 const BATCH_MAX: usize = 64 << 10;
 
@@ -117,6 +128,8 @@ pub struct Connection {
     deferred: i32,
     /// Requests sent whose replies have not been read.
     outstanding: u32,
+    /// Moving average of the time replies take (decides whether to poll for the next).
+    recent_wait: std::time::Duration,
 }
 
 fn socket_path() -> Option<std::path::PathBuf> {
@@ -148,6 +161,7 @@ impl Connection {
             building: 0,
             deferred: 0,
             outstanding: 0,
+            recent_wait: std::time::Duration::ZERO,
         };
         let (h, payload) = c.read_frame()?;
         let mut r = Reader::new(&payload);
@@ -168,12 +182,18 @@ impl Connection {
     }
 
     fn read_frame(&mut self) -> Result<(Header, Vec<u8>), i32> {
-        self.reader.spin_until_readable(SPIN);
+        let start = std::time::Instant::now();
+        let window = poll_window();
+        if self.recent_wait < window {
+            self.reader.spin_until_readable(window);
+        }
         match self
             .reader
             .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
         {
             Ok(Some(f)) => {
+                // Moving average of how long replies take.
+                self.recent_wait = (self.recent_wait * 3 + start.elapsed()) / 4;
                 let h = Header::parse(f).map_err(|_| CL_OUT_OF_RESOURCES)?;
                 Ok((h, f[HEADER_LEN..].to_vec()))
             }

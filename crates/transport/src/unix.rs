@@ -531,7 +531,8 @@ impl FrameReader {
             if unsafe { libc::poll(&mut pfd, 1, 0) } != 0 {
                 return;
             }
-            std::hint::spin_loop();
+            // Hand the core to anything runnable (on a CPU device, the kernels).
+            std::thread::yield_now();
         }
     }
 
