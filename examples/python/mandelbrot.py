@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pyopencl as cl
 
-W, H, ITERS = int(sys.argv[1]) if len(sys.argv) > 1 else 1024, 768, 256
+W, H, ITERS = int(sys.argv[1]) if len(sys.argv) > 1 else 1024, 768, 255
 SRC = """
 __kernel void mandel(__global uchar *out, int w, int h, int iters) {
     int x = get_global_id(0), y = get_global_id(1);
