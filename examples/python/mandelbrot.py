@@ -22,10 +22,10 @@ __kernel void mandel(__global uchar *out, int w, int h, int iters) {
 platform = cl.get_platforms()[0]
 ctx = cl.Context(platform.get_devices())
 queue = cl.CommandQueue(ctx)
-prg = cl.Program(ctx, SRC).build()
+mandel = cl.Kernel(cl.Program(ctx, SRC).build(), "mandel")
 out = cl.Buffer(ctx, cl.mem_flags.WRITE_ONLY, W * H)
 for _ in range(8):
-    prg.mandel(queue, (W, H), None, out, np.int32(W), np.int32(H), np.int32(ITERS))
+    mandel(queue, (W, H), None, out, np.int32(W), np.int32(H), np.int32(ITERS))
 img = np.empty(W * H, dtype=np.uint8)
 cl.enqueue_copy(queue, img, out)
 print(f"mandelbrot {W}x{H}: inside={int((img == ITERS).sum())} sha1={hashlib.sha1(img.tobytes()).hexdigest()[:16]}")
