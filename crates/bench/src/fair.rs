@@ -43,31 +43,10 @@ impl Madd {
     fn new() -> Result<Madd> {
         let cl = setup()?;
         let api = cl.api;
+        let kernel = cl.kernel(MADD, c"madd")?;
         let mut err = 0;
-        let p = MADD.as_ptr();
-        // SAFETY: one NUL-terminated source; outputs are live locals; sizes match.
+        // SAFETY: outputs are live locals; sizes match.
         unsafe {
-            let prog = api.clCreateProgramWithSource.context("missing")?(
-                cl.ctx,
-                1,
-                &p as *const *const u8 as *mut *mut i8,
-                std::ptr::null(),
-                &mut err,
-            );
-            check("clCreateProgramWithSource", err)?;
-            check(
-                "clBuildProgram",
-                api.clBuildProgram.context("missing")?(
-                    prog,
-                    0,
-                    std::ptr::null(),
-                    std::ptr::null(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                ),
-            )?;
-            let kernel = api.clCreateKernel.context("missing")?(prog, c"madd".as_ptr(), &mut err);
-            check("clCreateKernel", err)?;
             let buf = api.clCreateBuffer.context("missing")?(
                 cl.ctx,
                 1,
@@ -174,32 +153,11 @@ pub fn spin() -> Result<()> {
         b"__kernel void spin(__global volatile int *a) { while (1) { a[0]++; } }\n\0";
     let cl = setup()?;
     let api = cl.api;
+    let kernel = cl.kernel(SPIN, c"spin")?;
     let mut err = 0;
-    let p = SPIN.as_ptr();
     let global = 1usize;
-    // SAFETY: one NUL-terminated source; outputs are live locals; sizes match.
+    // SAFETY: outputs are live locals; sizes match.
     unsafe {
-        let prog = api.clCreateProgramWithSource.context("missing")?(
-            cl.ctx,
-            1,
-            &p as *const *const u8 as *mut *mut i8,
-            std::ptr::null(),
-            &mut err,
-        );
-        check("clCreateProgramWithSource", err)?;
-        check(
-            "clBuildProgram",
-            api.clBuildProgram.context("missing")?(
-                prog,
-                0,
-                std::ptr::null(),
-                std::ptr::null(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            ),
-        )?;
-        let kernel = api.clCreateKernel.context("missing")?(prog, c"spin".as_ptr(), &mut err);
-        check("clCreateKernel", err)?;
         let buf =
             api.clCreateBuffer.context("missing")?(cl.ctx, 1, 4, std::ptr::null_mut(), &mut err);
         check("clCreateBuffer", err)?;

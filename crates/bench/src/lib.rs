@@ -87,6 +87,41 @@ fn setup() -> Result<Cl> {
     }
 }
 
+impl Cl {
+    /// Build `src` (NUL-terminated OpenCL C) and create its kernel `name`.
+    fn kernel(&self, src: &[u8], name: &std::ffi::CStr) -> Result<*mut c_void> {
+        let api = self.api;
+        let mut err = 0;
+        let p = src.as_ptr();
+        // SAFETY: one NUL-terminated source; outputs are live locals.
+        unsafe {
+            let prog = api.clCreateProgramWithSource.context("missing")?(
+                self.ctx,
+                1,
+                &p as *const *const u8 as *mut *mut i8,
+                std::ptr::null(),
+                &mut err,
+            );
+            check("clCreateProgramWithSource", err)?;
+            let build = api.clBuildProgram.context("missing")?;
+            check(
+                "clBuildProgram",
+                build(
+                    prog,
+                    0,
+                    std::ptr::null(),
+                    std::ptr::null(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                ),
+            )?;
+            let k = api.clCreateKernel.context("missing")?(prog, name.as_ptr(), &mut err);
+            check("clCreateKernel", err)?;
+            Ok(k)
+        }
+    }
+}
+
 fn sync_call(cl: &Cl, n: u32) -> Result<Row> {
     let f = cl.api.clGetDeviceInfo.context("clGetDeviceInfo missing")?;
     let mut name = [0u8; 256];
@@ -113,34 +148,7 @@ fn sync_call(cl: &Cl, n: u32) -> Result<Row> {
 
 fn async_stream(cl: &Cl, n: u32) -> Result<Row> {
     let api = cl.api;
-    let src = b"__kernel void k(int a) { }\0";
-    let mut err = 0;
-    let p = src.as_ptr();
-    // SAFETY: one NUL-terminated source; outputs are live locals.
-    let kernel = unsafe {
-        let prog = api.clCreateProgramWithSource.context("missing")?(
-            cl.ctx,
-            1,
-            &p as *const *const u8 as *mut *mut i8,
-            std::ptr::null(),
-            &mut err,
-        );
-        check("clCreateProgramWithSource", err)?;
-        check(
-            "clBuildProgram",
-            api.clBuildProgram.context("missing")?(
-                prog,
-                0,
-                std::ptr::null(),
-                std::ptr::null(),
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            ),
-        )?;
-        let k = api.clCreateKernel.context("missing")?(prog, c"k".as_ptr(), &mut err);
-        check("clCreateKernel", err)?;
-        k
-    };
+    let kernel = cl.kernel(b"__kernel void k(int a) { }\0", c"k")?;
     let set = api.clSetKernelArg.context("missing")?;
     let nd = api.clEnqueueNDRangeKernel.context("missing")?;
     let finish = api.clFinish.context("missing")?;

@@ -3,24 +3,22 @@
 //! Skipped when the guest ICD was not built next to `hira` (`cargo build -p hira-guest`) or
 //! when python3 cannot import pyopencl and numpy.
 
+mod common;
+
+use common::{ctl, hira, icd_built, start_router};
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
-
-fn hira() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_hira"))
-}
 
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/quota/tenant.py")
 }
 
 fn can_run() -> bool {
-    let icd = hira().with_file_name("libhira_opencl.so").is_file();
+    let icd = icd_built();
     let python = Command::new("python3")
         .args(["-c", "import pyopencl, numpy"])
         .stdout(Stdio::null())
@@ -77,22 +75,6 @@ fn finish(mut child: Child, out: BufReader<ChildStdout>) -> (HashMap<String, i64
     (seen, output)
 }
 
-fn ctl(socket: &Path, args: &[&str]) -> Output {
-    Command::new(hira())
-        .args(["ctl", "--router"])
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("hira ctl runs")
-}
-
-fn wait_for_socket(socket: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn stats_of(socket: &Path, pid: i64) -> serde_json::Value {
     let out = ctl(socket, &["stats", "--json"]);
     let all: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats are JSON");
@@ -109,26 +91,11 @@ fn quotas_limit_allocations_and_what_tenants_see() {
     if !can_run() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("hira-quota-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let socket = dir.join("r.sock");
-    let config = dir.join("router.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "socket = \"{}\"\n[memory]\nquota = \"8MiB\"\ncapacity = \"48MiB\"\n",
-            socket.display()
-        ),
-    )
-    .unwrap();
-    let mut router = Command::new(hira())
-        .args(["serve", "--config"])
-        .arg(&config)
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("router starts");
-    wait_for_socket(&socket);
+    let (mut router, socket) = start_router(
+        "quota",
+        "[memory]\nquota = \"8MiB\"\ncapacity = \"48MiB\"\n",
+        "info",
+    );
 
     // A: its own quota from `hira run`, lowered live below its use. B, at the same time:
     // the configured default.
@@ -158,7 +125,7 @@ fn quotas_limit_allocations_and_what_tenants_see() {
         std::io::Read::read_to_string(router.stderr.as_mut().unwrap(), &mut s).unwrap();
         s
     };
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(socket.parent().expect("the router's directory"));
 
     assert!(a_exit.status.success(), "tenant A: {a_exit:?}");
     assert_eq!(a_before["global"], (16 * MIB) as i64);

@@ -3,17 +3,11 @@
 //! built `hira` against the host's real OpenCL; skipped when the guest ICD was not built
 //! next to it (`cargo build -p hira-guest`).
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-fn hira() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_hira"))
-}
-
-fn icd_built() -> bool {
-    hira().with_file_name("libhira_opencl.so").is_file()
-}
+use common::{ctl, hira, icd_built, start_router};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 
 fn tenant(socket: &Path, args: &[&str]) -> Child {
     Command::new(hira())
@@ -29,22 +23,6 @@ fn tenant(socket: &Path, args: &[&str]) -> Child {
         .expect("hira run starts")
 }
 
-fn ctl(socket: &Path, args: &[&str]) -> Output {
-    Command::new(hira())
-        .args(["ctl", "--router"])
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("hira ctl runs")
-}
-
-fn wait_for_socket(socket: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn runaway_kernel_stops_only_its_tenant() {
     if !icd_built() {
@@ -54,26 +32,11 @@ fn runaway_kernel_stops_only_its_tenant() {
         );
         return;
     }
-    let dir = std::env::temp_dir().join(format!("hira-runaway-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let socket = dir.join("r.sock");
-    let config = dir.join("router.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "socket = \"{}\"\n[scheduler]\npolicy = \"wfq\"\nkernel_timeout = \"2s\"\n",
-            socket.display()
-        ),
-    )
-    .unwrap();
-    let mut router = Command::new(hira())
-        .args(["serve", "--config"])
-        .arg(&config)
-        .env("RUST_LOG", "error")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("router starts");
-    wait_for_socket(&socket);
+    let (mut router, socket) = start_router(
+        "runaway",
+        "[scheduler]\npolicy = \"wfq\"\nkernel_timeout = \"2s\"\n",
+        "error",
+    );
 
     let runaway = tenant(&socket, &["--spin"]);
     let good = tenant(&socket, &["--iters", "2000", "--seconds", "3"]);
@@ -90,7 +53,7 @@ fn runaway_kernel_stops_only_its_tenant() {
         std::io::Read::read_to_string(router.stderr.as_mut().unwrap(), &mut s).unwrap();
         s
     };
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(socket.parent().expect("the router's directory"));
 
     assert!(good.status.success(), "good tenant: {good:?}");
     assert!(String::from_utf8_lossy(&good.stdout).starts_with("kernels "));
