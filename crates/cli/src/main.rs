@@ -90,7 +90,11 @@ pub(crate) fn take_value(
 pub(crate) fn router_socket(explicit: Option<String>) -> PathBuf {
     explicit
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HIRA_SOCKET").map(PathBuf::from))
+        .or_else(|| {
+            std::env::var_os("HIRA_SOCKET")
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        })
         .unwrap_or_else(hira_router::default_socket_path)
 }
 
