@@ -42,30 +42,9 @@ struct Madd {
 impl Madd {
     fn new() -> Result<Madd> {
         let cl = setup()?;
-        let api = cl.api;
         let kernel = cl.kernel(MADD, c"madd")?;
-        let mut err = 0;
-        // SAFETY: outputs are live locals; sizes match.
-        unsafe {
-            let buf = api.clCreateBuffer.context("missing")?(
-                cl.ctx,
-                1,
-                GLOBAL * 4,
-                std::ptr::null_mut(),
-                &mut err,
-            );
-            check("clCreateBuffer", err)?;
-            check(
-                "clSetKernelArg",
-                api.clSetKernelArg.context("missing")?(
-                    kernel,
-                    0,
-                    std::mem::size_of::<*mut c_void>(),
-                    &buf as *const *mut c_void as *const c_void,
-                ),
-            )?;
-            Ok(Madd { cl, kernel })
-        }
+        cl.buffer_arg0(kernel, GLOBAL * 4)?;
+        Ok(Madd { cl, kernel })
     }
 
     /// Enqueues one launch of `iters`; returns its event.
@@ -154,22 +133,10 @@ pub fn spin() -> Result<()> {
     let cl = setup()?;
     let api = cl.api;
     let kernel = cl.kernel(SPIN, c"spin")?;
-    let mut err = 0;
+    cl.buffer_arg0(kernel, 4)?;
     let global = 1usize;
-    // SAFETY: outputs are live locals; sizes match.
+    // SAFETY: one work item of a kernel whose argument is set; no events.
     unsafe {
-        let buf =
-            api.clCreateBuffer.context("missing")?(cl.ctx, 1, 4, std::ptr::null_mut(), &mut err);
-        check("clCreateBuffer", err)?;
-        check(
-            "clSetKernelArg",
-            api.clSetKernelArg.context("missing")?(
-                kernel,
-                0,
-                std::mem::size_of::<*mut c_void>(),
-                &buf as *const *mut c_void as *const c_void,
-            ),
-        )?;
         check(
             "clEnqueueNDRangeKernel",
             api.clEnqueueNDRangeKernel.context("missing")?(

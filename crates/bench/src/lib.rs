@@ -88,6 +88,33 @@ fn setup() -> Result<Cl> {
 }
 
 impl Cl {
+    /// A new buffer of `bytes`, set as argument 0 of `kernel`.
+    fn buffer_arg0(&self, kernel: *mut c_void, bytes: usize) -> Result<()> {
+        let api = self.api;
+        let mut err = 0;
+        // SAFETY: a plain buffer; the argument is the cl_mem value, pointer-sized.
+        unsafe {
+            let buf = api.clCreateBuffer.context("missing")?(
+                self.ctx,
+                1,
+                bytes,
+                std::ptr::null_mut(),
+                &mut err,
+            );
+            check("clCreateBuffer", err)?;
+            let set = api.clSetKernelArg.context("missing")?;
+            check(
+                "clSetKernelArg",
+                set(
+                    kernel,
+                    0,
+                    std::mem::size_of::<*mut c_void>(),
+                    &buf as *const *mut c_void as *const c_void,
+                ),
+            )
+        }
+    }
+
     /// Build `src` (NUL-terminated OpenCL C) and create its kernel `name`.
     fn kernel(&self, src: &[u8], name: &std::ffi::CStr) -> Result<*mut c_void> {
         let api = self.api;

@@ -996,35 +996,20 @@ pub mod expr {
         )
     }
 
-    fn elem_size(format: *const u8) -> u64 {
-        if format.is_null() {
-            return 0;
-        }
-        // SAFETY: a cl_image_format is two cl_uints.
-        let (order, ty) = unsafe { (*(format as *const u32), *(format as *const u32).add(1)) };
-        image_element_size(order, ty).unwrap_or(0)
+    /// The `n` bytes a sized argument points to; None for NULL.
+    fn bytes<'a>(p: *const u8, n: usize) -> Option<&'a [u8]> {
+        // SAFETY: the spec sizes this argument (a cl_image_format is 8 bytes, a
+        // cl_image_desc 72) and it was checked non-null.
+        (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, n) })
     }
 
     /// Bytes of host memory behind an image being created.
     pub fn image_size(format: *const u8, desc: *const u8) -> u64 {
-        if desc.is_null() {
-            return 0;
-        }
-        // SAFETY: a cl_image_desc: type u32, pad, then six size_t.
-        let d = unsafe { std::slice::from_raw_parts((desc as *const u64).add(1), 6) };
-        // SAFETY: image_type is the first u32.
-        let ty = unsafe { *(desc as *const u32) };
-        image_desc_bytes(ty, [d[0], d[1], d[2], d[3]], d[4], d[5], elem_size(format))
+        wire::image_size(bytes(format, 8), bytes(desc, 72)).unwrap_or(0)
     }
 
     pub fn image2d_size(format: *const u8, w: u64, h: u64, row_pitch: u64) -> u64 {
-        image_desc_bytes(
-            CL_MEM_OBJECT_IMAGE2D,
-            [w, h, 0, 0],
-            row_pitch,
-            0,
-            elem_size(format),
-        )
+        wire::image2d_size(bytes(format, 8), w, h, row_pitch).unwrap_or(0)
     }
 
     pub fn image3d_size(
@@ -1035,12 +1020,6 @@ pub mod expr {
         row_pitch: u64,
         slice_pitch: u64,
     ) -> u64 {
-        image_desc_bytes(
-            CL_MEM_OBJECT_IMAGE3D,
-            [w, h, d, 0],
-            row_pitch,
-            slice_pitch,
-            elem_size(format),
-        )
+        wire::image3d_size(bytes(format, 8), w, h, d, row_pitch, slice_pitch).unwrap_or(0)
     }
 }
