@@ -483,10 +483,13 @@ proptest! {
         );
     }
 
-    /// Under WFQ nobody exceeds its weighted share of a 500 ms window by more than one
-    /// longest kernel while the others wait.
+    /// Under WFQ nobody exceeds its weighted share of a 500 ms window by more than two
+    /// longest kernels while the others wait. Fair queuing keeps a tenant's lag behind its
+    /// share within about one kernel at any instant; a window's service is the difference
+    /// of the lags at its two ends, hence two (one was too tight: a found case exceeded it
+    /// by 0.1 ms, saved in proptest-regressions/).
     #[test]
-    fn wfq_keeps_everyone_within_share_plus_one_kernel(tenants in arb_tenants()) {
+    fn wfq_keeps_everyone_within_share_plus_two_kernels(tenants in arb_tenants()) {
         let window = 500 * MS;
         let report = run(&SimConfig::new(PolicyKind::Wfq, 4 * SECOND, tenants.clone()));
         let total: u64 = tenants.iter().map(|t| u64::from(t.params.weight)).sum();
@@ -502,6 +505,6 @@ proptest! {
             })
             .collect();
 
-        prop_assert!(excess.iter().all(|&e| e <= longest as i64), "{:?} longest {}", excess, longest);
+        prop_assert!(excess.iter().all(|&e| e <= 2 * longest as i64), "{:?} longest {}", excess, longest);
     }
 }
