@@ -178,11 +178,12 @@ pub fn common(spec: &Spec) -> String {
         };
         let _ = writeln!(
             s,
-            "    OpInfo {{ name: \"{}\", opcode: {}, forward: {}, device_time: {}, creates: {}, retains: {}, releases: {}, allocates: {}, custom: {}, unsupported: {} }},",
+            "    OpInfo {{ name: \"{}\", opcode: {}, forward: {}, device_time: {}, resident: {}, creates: {}, retains: {}, releases: {}, allocates: {}, custom: {}, unsupported: {} }},",
             f.name,
             f.opcode,
             forward_code(f),
             f.device_time,
+            f.resident,
             creates,
             f.retains,
             f.releases,
@@ -243,6 +244,39 @@ pub fn common(spec: &Spec) -> String {
             "            Some({})\n        }}",
             wire_expr(spec, f, size)
         );
+    }
+    let _ = writeln!(s, "        _ => None,\n    }}\n}}");
+    // Router residency hook: the buffers a command names, and the kernel it launches.
+    let _ = writeln!(s, "/// Memory objects a `resident` request names directly, and the kernel it launches (0 if\n/// none), decoded from its payload; None for other opcodes or when it cannot be read.");
+    let _ = writeln!(s, "#[allow(unused_mut, unused_assignments)]\npub fn request_mems(opcode: u16, payload: &[u8]) -> Option<(Vec<u64>, u64)> {{\n    let mut r = hira_wire::Reader::new(payload);\n    match opcode {{");
+    for f in &spec.functions {
+        if !f.resident || !f.is_forwarded() || f.custom == Custom::Both {
+            continue;
+        }
+        let _ = writeln!(s, "        {} => {{", op_const(f));
+        let _ = writeln!(s, "            let mut mems: Vec<u64> = Vec::new();\n            let mut launched = 0u64;");
+        for p in &f.params {
+            let line = read_param(spec, p);
+            if line.is_empty() {
+                continue;
+            }
+            let _ = writeln!(s, "            {line}");
+            let n = &p.name;
+            let kind = spec.handle(&p.ty.base).map(|h| h.kind.as_str());
+            match (&p.kind, kind) {
+                (ParamKind::Value, Some("mem")) => {
+                    let _ = writeln!(s, "            mems.push({n});");
+                }
+                (ParamKind::Value, Some("kernel")) => {
+                    let _ = writeln!(s, "            launched = {n};");
+                }
+                (ParamKind::InArray(_), Some("mem")) => {
+                    let _ = writeln!(s, "            mems.extend(cl::wire::ids(&{n}));");
+                }
+                _ => {}
+            }
+        }
+        let _ = writeln!(s, "            Some((mems, launched))\n        }}");
     }
     let _ = writeln!(s, "        _ => None,\n    }}\n}}");
     s
@@ -665,7 +699,7 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
                     p2,
                     "    let mut {n}_new: *mut c_void = std::ptr::null_mut();"
                 );
-                if f.device_time || matches!(f.forward, Forward::AsyncUnless(_)) {
+                if f.device_time || f.resident || matches!(f.forward, Forward::AsyncUnless(_)) {
                     let _ = writeln!(
                         p2,
                         "    let mut {n}_dt: *mut c_void = std::ptr::null_mut();"
@@ -676,7 +710,15 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
                     let _ = writeln!(
                         post,
                         "    cx.track_event(ret, if {n}_id != 0 {{ {n}_new }} else {{ {n}_dt }}, {n}_id == 0, {});",
-                        f.device_time
+                        if f.device_time {
+                            "true"
+                        } else if f.resident {
+                            // Completions of buffer commands matter only while the router
+                            // schedules them (over-subscription).
+                            "cx.gated()"
+                        } else {
+                            "false"
+                        }
                     );
                 } else {
                     args.push(format!(
@@ -751,6 +793,17 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
     s.push_str(&p1);
     let _ = writeln!(s, "    r.finish()?;");
     s.push_str(&p2);
+    if f.resident {
+        // A launch's buffer arguments may have been evicted since they were set: restore
+        // them and bind the kernel to their current device objects.
+        if let Some(k) = f
+            .params
+            .iter()
+            .find(|p| p.kind == ParamKind::Value && spec.handle(&p.ty.base).is_some_and(|h| h.kind == "kernel"))
+        {
+            let _ = writeln!(s, "    cx.prepare_kernel({}_id)?;", k.name);
+        }
+    }
     if let Some(b) = &f.force_blocking {
         let _ = writeln!(s, "    let {b}: u32 = 1;");
     }

@@ -173,6 +173,15 @@ pub mod wire {
         }
     }
 
+    /// The handle ids of an inline array of handles (empty when the array is not inline).
+    pub fn ids(b: &hira_wire::Blob<'_>) -> Vec<u64> {
+        inline(b).map_or_else(Vec::new, |d| {
+            d.chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")))
+                .collect()
+        })
+    }
+
     fn u32_at(b: &[u8], i: usize) -> Option<u32> {
         Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?))
     }

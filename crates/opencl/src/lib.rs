@@ -32,6 +32,9 @@ pub struct OpInfo {
     pub opcode: u16,
     pub forward: Forward,
     pub device_time: bool,
+    /// Touches buffers on the device (the spec's `resident`): scheduled like a launch while
+    /// over-subscription is on.
+    pub resident: bool,
     /// Handle kind created (0 if none).
     pub creates: u8,
     pub retains: bool,

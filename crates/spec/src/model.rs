@@ -144,6 +144,9 @@ pub struct Function {
     pub allocates: Option<Expr>,
     /// The call consumes device time (a kernel launch).
     pub device_time: bool,
+    /// The call reads or writes buffers on the device: under over-subscription they must be
+    /// resident, so the router schedules it like a launch.
+    pub resident: bool,
     /// Opcode on the wire (position in the spec, from 1).
     pub opcode: u16,
     pub line: usize,

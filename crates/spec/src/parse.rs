@@ -280,6 +280,7 @@ fn function(p: &mut P, opcode: u16) -> Result<Function> {
         releases: false,
         allocates: None,
         device_time: false,
+        resident: false,
         opcode,
         line,
     };
@@ -306,6 +307,7 @@ fn function(p: &mut P, opcode: u16) -> Result<Function> {
             "releases" => f.releases = true,
             "allocates" => f.allocates = Some(arg_expr(&f.name, &args, 0)?),
             "device_time" => f.device_time = true,
+            "resident" => f.resident = true,
             other => {
                 return Err(Error::Semantic {
                     func: f.name,

@@ -69,6 +69,24 @@ pub mod control {
     /// enforces it.
     pub const SET_QUOTA: u16 = 9;
 
+    /// Router → server over the control socket: over-subscription is on, so commands that
+    /// touch buffers (the spec's `resident` calls) are scheduled like kernels and their
+    /// completions reported with DONE. Payload: on u8 (1 = on).
+    pub const SWAP_MODE: u16 = 10;
+
+    /// Router → server over the control socket: copy these buffers to host memory and free
+    /// them on the device; the guest's ids stay valid and the next command that uses one
+    /// restores it. Payload: count u32, then count × buffer id u64.
+    pub const EVICT: u16 = 11;
+
+    /// Server → router, the reply to EVICT (same seq). Payload: bytes evicted u64, time ns
+    /// u64, count of buffers kept u32, then their ids u64 (pinned, unknown or busy).
+    pub const EVICTED: u16 = 12;
+
+    /// Server → router, unsolicited: a command needed an evicted buffer and the server
+    /// restored it. Payload: buffer id u64, bytes u64, time ns u64.
+    pub const RESTORED: u16 = 13;
+
     /// Connection roles carried by HELLO.
     pub const ROLE_CALLS: u32 = 1;
     /// The connection on which the server delivers callbacks to the guest.
