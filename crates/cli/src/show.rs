@@ -31,12 +31,13 @@ pub fn ctl(args: Vec<String>) -> Result<u8> {
         ("metrics", []) => Request::Metrics,
         ("shutdown", []) => Request::Shutdown,
         ("policy", [name]) => Request::Policy { name: name.clone() },
+        ("placement", [name]) => Request::Placement { name: name.clone() },
         ("set", [tenant, kv @ ..]) if !kv.is_empty() => Request::Set {
             tenant: tenant.clone(),
             patch: hira_router::TenantPatch::parse_words(kv)?,
         },
         (other, _) => bail!(
-            "bad ctl request {other:?} (stats, metrics, shutdown, policy P, set TENANT key=value...)"
+            "bad ctl request {other:?} (stats, metrics, shutdown, policy P, placement A, set TENANT key=value...)"
         ),
     };
     let resp = hira_router::request(&socket, &req)
@@ -257,11 +258,41 @@ fn memory_line(m: Option<&MemoryStats>) -> String {
         return String::new();
     };
     let limit = m.limit.map_or("unlimited".to_string(), bytes);
-    format!(
-        "device memory: charged {} of {limit}  allocations refused {}\n\n",
+    let mut out = format!(
+        "device memory: charged {} of {limit}  allocations refused {}\n",
         bytes(m.committed),
         m.refused
-    )
+    );
+    if let Some(sw) = &m.swap {
+        let t = &sw.totals;
+        out.push_str(&format!(
+            "resident {} of {} in {} slots ({})  swapped out {} in {}, back {} in {}  pinned {}\n",
+            bytes(sw.resident_bytes),
+            bytes(sw.capacity),
+            sw.slots,
+            sw.placement,
+            bytes(t.bytes_evicted),
+            t.buffers_evicted,
+            bytes(t.bytes_restored),
+            t.buffers_restored,
+            bytes(t.pinned_bytes),
+        ));
+        for tn in &sw.tenants {
+            let slots = tn
+                .slots
+                .map_or("idle".to_string(), |(s, n)| format!("slots {s}..{}", s + n));
+            out.push_str(&format!(
+                "  tenant {}: {slots}  {} resident of {} in {} buffers  shares with {:?}\n",
+                tn.tenant,
+                bytes(tn.resident_bytes),
+                bytes(tn.bytes),
+                tn.buffers,
+                tn.sharers
+            ));
+        }
+    }
+    out.push('\n');
+    out
 }
 
 /// The device line: policy, in-flight commands, utilization over the interval.

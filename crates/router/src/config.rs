@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use std::collections::BTreeMap;
 
+use hira_policy::mem::PlacementAlgo;
 use hira_policy::sched::{PolicyKind, SchedConfig, TenantParams};
 use hira_transport::Conn;
 use serde::{Deserialize, Serialize};
@@ -212,9 +213,23 @@ pub struct MemoryConfig {
     /// Default: unlimited (the real device still refuses what it cannot hold).
     #[serde(with = "opt_size")]
     pub capacity: Option<u64>,
-    /// Tenants together may hold `capacity × overcommit` (default 1.0). Above 1.0 only
-    /// makes sense with buffer swapping, which the router does not do yet.
+    /// Tenants together may hold `capacity × overcommit` (default 1.0). Above 1.0 (with a
+    /// `capacity`) the router over-subscribes: buffers of descheduled tenants are swapped
+    /// to host memory so that resident buffers never exceed `capacity`.
     pub overcommit: f64,
+    /// Slots the capacity is cut into for placement (default 16).
+    pub slots: usize,
+    /// Placement algorithm: `lls` (gVirt/gScale leftmost-lowest-score), `size` or `util`
+    /// (DymGPU Algorithms 1 and 2). Default `util`.
+    pub placement: PlacementAlgo,
+    /// A tenant without device work for this long counts as absent for placement (default
+    /// 20 s).
+    #[serde(with = "duration")]
+    pub idle_after: Duration,
+    /// Tenants are placed again this often, from utilization averaged over the period
+    /// (default 20 s).
+    #[serde(with = "duration")]
+    pub replace_every: Duration,
 }
 
 impl Default for MemoryConfig {
@@ -223,6 +238,10 @@ impl Default for MemoryConfig {
             quota: None,
             capacity: None,
             overcommit: 1.0,
+            slots: 16,
+            placement: PlacementAlgo::UtilizationBased,
+            idle_after: Duration::from_secs(20),
+            replace_every: Duration::from_secs(20),
         }
     }
 }
@@ -236,6 +255,21 @@ impl MemoryConfig {
         }
         if self.capacity == Some(0) {
             return Err(Error::Config("memory.capacity must be positive".into()));
+        }
+        if self.overcommit > 1.0 && self.capacity.is_none() {
+            return Err(Error::Config(
+                "memory.overcommit above 1 needs memory.capacity".into(),
+            ));
+        }
+        if self.slots == 0 || self.capacity.is_some_and(|c| c < self.slots as u64) {
+            return Err(Error::Config(
+                "memory.slots must be between 1 and the capacity in bytes".into(),
+            ));
+        }
+        if self.idle_after.is_zero() || self.replace_every.is_zero() {
+            return Err(Error::Config(
+                "memory.idle_after and memory.replace_every must be positive".into(),
+            ));
         }
         Ok(())
     }
@@ -518,6 +552,30 @@ mod tests {
     }
 
     #[test]
+    fn over_subscription_settings_parse_and_are_checked() {
+        let cfg = Config::parse(
+            "[memory]\ncapacity = \"64MiB\"\novercommit = 3\nslots = 8\nplacement = \"lls\"\nidle_after = \"2s\"\nreplace_every = \"500ms\"\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.memory.placement, PlacementAlgo::LeftmostLowestScore);
+        assert_eq!(cfg.memory.slots, 8);
+        assert_eq!(cfg.memory.idle_after, Duration::from_secs(2));
+        assert_eq!(cfg.memory.replace_every, Duration::from_millis(500));
+        for bad in [
+            "[memory]\novercommit = 2\n",
+            "[memory]\ncapacity = \"1MiB\"\nslots = 0\n",
+            "[memory]\nplacement = \"best\"\n",
+        ] {
+            assert!(
+                Config::parse(bad)
+                    .and_then(|c| c.memory.validate())
+                    .is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
     fn memory_quotas_parse_with_per_command_overrides() {
         let cfg = Config::parse(
             "[memory]\nquota = \"256MiB\"\ncapacity = \"4GiB\"\novercommit = 1.5\n[tenants.python]\nweight = 2\nmemory_quota = \"64MiB\"\n[tenants.free]\nmemory_quota = \"none\"\n[tenants.bytes]\nmemory_quota = 1048576\n",
@@ -527,6 +585,8 @@ mod tests {
         assert!(cfg.validate().is_ok());
         assert_eq!(cfg.memory.capacity, Some(4 << 30));
         assert_eq!(cfg.memory.overcommit, 1.5);
+        assert_eq!(cfg.memory.placement, PlacementAlgo::UtilizationBased);
+        assert_eq!(cfg.memory.slots, 16);
         assert_eq!(cfg.memory_quota("python"), Some(64 << 20));
         assert_eq!(cfg.memory_quota("other"), Some(256 << 20));
         assert_eq!(cfg.memory_quota("free"), None);

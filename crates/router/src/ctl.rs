@@ -30,6 +30,8 @@ pub enum Request {
     /// Switch the device's scheduling policy (fifo, rr, credit, band, accc, slaf, wfq,
     /// wfq-fixed, wfq-aimd).
     Policy { name: String },
+    /// Switch the slot placement algorithm of over-subscription (lls, size, util).
+    Placement { name: String },
     /// Change a live tenant's settings (scheduling, `memory_quota`); `tenant` is its id, or
     /// `pid:<pid>` (a bare number that is no tenant id is tried as a pid).
     Set { tenant: String, patch: TenantPatch },

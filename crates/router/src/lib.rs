@@ -20,6 +20,7 @@ mod memory;
 mod metrics;
 mod router;
 mod supervise;
+pub mod swap;
 
 pub use config::{
     default_socket_path, parse_duration, Config, MemoryConfig, SchedulerConfig, SpawnMode,

@@ -15,8 +15,8 @@ use hira_policy::mem::{BufferId, MemError, MemLedger, TenantId};
 /// A charge not yet bound to an object: the call is on its way to the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pending {
-    /// An allocation of this ledger reservation.
-    Alloc(BufferId),
+    /// An allocation of this ledger reservation, of so many bytes.
+    Alloc(BufferId, u64),
     /// A sub-buffer of this parent object.
     Sub { parent: u64 },
 }
@@ -112,7 +112,9 @@ impl MemAccounts {
         let res = self.next_res;
         self.ledger.charge(t, res, bytes)?;
         self.next_res += 1;
-        if let Some(Pending::Alloc(old)) = objs.pending.insert((conn, seq), Pending::Alloc(res)) {
+        if let Some(Pending::Alloc(old, _)) =
+            objs.pending.insert((conn, seq), Pending::Alloc(res, bytes))
+        {
             // A reused sequence number: the earlier call can no longer be told apart.
             self.ledger.release(t, old);
         }
@@ -124,7 +126,8 @@ impl MemAccounts {
         let Some(objs) = self.tenants.get_mut(&t) else {
             return;
         };
-        if let Some(Pending::Alloc(old)) = objs.pending.insert((conn, seq), Pending::Sub { parent })
+        if let Some(Pending::Alloc(old, _)) =
+            objs.pending.insert((conn, seq), Pending::Sub { parent })
         {
             self.ledger.release(t, old);
         }
@@ -139,16 +142,17 @@ impl MemAccounts {
     }
 
     /// The reply to call `seq` on `conn` came back: `created` is the new object's id, None
-    /// if the call failed (its reservation is returned).
-    pub fn reply(&mut self, t: TenantId, conn: u64, seq: u64, created: Option<u64>) {
-        let Some(objs) = self.tenants.get_mut(&t) else {
-            return;
-        };
-        let Some(p) = objs.pending.remove(&(conn, seq)) else {
-            return;
+    /// if the call failed (its reservation is returned). Returns the bytes now bound to
+    /// the new object (None for sub-buffers, failures and calls not awaited here).
+    pub fn reply(&mut self, t: TenantId, conn: u64, seq: u64, created: Option<u64>) -> Option<u64> {
+        let objs = self.tenants.get_mut(&t)?;
+        let p = objs.pending.remove(&(conn, seq))?;
+        let bytes = match p {
+            Pending::Alloc(_, b) => Some(b),
+            Pending::Sub { .. } => None,
         };
         let obj = match (p, created) {
-            (Pending::Alloc(res), Some(_)) => Obj {
+            (Pending::Alloc(res, _), Some(_)) => Obj {
                 refs: 1,
                 res: Some(res),
                 parent: None,
@@ -164,11 +168,11 @@ impl MemAccounts {
                     parent,
                 }
             }
-            (Pending::Alloc(res), None) => {
+            (Pending::Alloc(res, _), None) => {
                 self.ledger.release(t, res);
-                return;
+                return None;
             }
-            (Pending::Sub { .. }, None) => return,
+            (Pending::Sub { .. }, None) => return None,
         };
         let id = created.expect("matched Some above");
         if let Some(old) = objs.live.insert(id, obj) {
@@ -178,6 +182,7 @@ impl MemAccounts {
                 self.ledger.release(t, res);
             }
         }
+        bytes
     }
 
     /// Every call of connection `conn` still awaiting its reply is abandoned (the
@@ -191,7 +196,7 @@ impl MemAccounts {
             if c != conn {
                 return true;
             }
-            if let Pending::Alloc(res) = p {
+            if let Pending::Alloc(res, _) = p {
                 ledger.release(t, *res);
             }
             false
@@ -206,26 +211,29 @@ impl MemAccounts {
     }
 
     /// `clReleaseMemObject(id)`: the last reference frees the object's bytes (and a
-    /// sub-buffer's hold on its parent).
-    pub fn release(&mut self, t: TenantId, id: u64) {
+    /// sub-buffer's hold on its parent). Returns the objects that went away.
+    pub fn release(&mut self, t: TenantId, id: u64) -> Vec<u64> {
+        let mut freed = Vec::new();
         let Some(objs) = self.tenants.get_mut(&t) else {
-            return;
+            return freed;
         };
         let mut next = Some(id);
         while let Some(id) = next.take() {
             let Some(o) = objs.live.get_mut(&id) else {
-                return;
+                break;
             };
             o.refs -= 1;
             if o.refs > 0 {
-                return;
+                break;
             }
             let o = objs.live.remove(&id).expect("looked up above");
             if let Some(res) = o.res {
                 self.ledger.release(t, res);
             }
+            freed.push(id);
             next = o.parent;
         }
+        freed
     }
 
     /// Live objects of `t` the router tracks.

@@ -386,6 +386,9 @@ pub struct MemoryStats {
     pub committed: u64,
     /// Allocations refused since the router started.
     pub refused: u64,
+    /// Over-subscription: placement, residency and swap totals (None when off).
+    #[serde(default)]
+    pub swap: Option<Box<crate::swap::SwapView>>,
 }
 
 /// Prometheus text of the device's memory accounting.
@@ -418,6 +421,84 @@ pub fn prometheus_memory(m: &MemoryStats) -> String {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{device=\"0\"}} {v}"
+            );
+        }
+    }
+    if let Some(sw) = &m.swap {
+        let t = &sw.totals;
+        let rows: [(&str, &str, &str, u64); 9] = [
+            (
+                "hira_device_mem_resident_bytes",
+                "gauge",
+                "bytes of buffers on the device in the slots",
+                sw.resident_bytes,
+            ),
+            (
+                "hira_device_mem_pinned_bytes",
+                "gauge",
+                "bytes of buffers that cannot be swapped",
+                t.pinned_bytes,
+            ),
+            (
+                "hira_swap_evicted_bytes_total",
+                "counter",
+                "bytes copied from the device to host memory",
+                t.bytes_evicted,
+            ),
+            (
+                "hira_swap_restored_bytes_total",
+                "counter",
+                "bytes copied back to the device",
+                t.bytes_restored,
+            ),
+            (
+                "hira_swap_evictions_total",
+                "counter",
+                "buffers copied out",
+                t.buffers_evicted,
+            ),
+            (
+                "hira_swap_restores_total",
+                "counter",
+                "buffers copied back",
+                t.buffers_restored,
+            ),
+            (
+                "hira_swap_switches_total",
+                "counter",
+                "commands that waited for evictions",
+                t.swaps,
+            ),
+            (
+                "hira_swap_seconds_total",
+                "counter",
+                "time spent evicting and restoring, in ns",
+                t.evict_ns + t.restore_ns,
+            ),
+            (
+                "hira_placements_total",
+                "counter",
+                "slot placements computed",
+                t.placements,
+            ),
+        ];
+        for (name, kind, help, v) in rows {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{device=\"0\",placement=\"{}\"}} {v}",
+                escape(&sw.placement)
+            );
+        }
+        let name = "hira_tenant_mem_resident_bytes";
+        let _ = writeln!(
+            out,
+            "# HELP {name} bytes of the tenant's buffers on the device\n# TYPE {name} gauge"
+        );
+        for tn in &sw.tenants {
+            let _ = writeln!(
+                out,
+                "{name}{{tenant=\"{}\"}} {}",
+                tn.tenant, tn.resident_bytes
             );
         }
     }

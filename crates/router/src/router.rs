@@ -10,7 +10,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use hira_opencl::{cl, K_MEM, OP_CLCREATESUBBUFFER, OP_CLRELEASEMEMOBJECT, OP_CLRETAINMEMOBJECT};
+use hira_opencl::{
+    cl, K_MEM, OP_CLCREATEBUFFER, OP_CLCREATEBUFFERWITHPROPERTIES, OP_CLCREATESUBBUFFER,
+    OP_CLRELEASEMEMOBJECT, OP_CLRETAINMEMOBJECT, OP_CLSETKERNELARG,
+};
 use hira_transport::{Conn, FrameReader, Listener};
 use hira_wire::{control, flags, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
 use tracing::{debug, error, info, warn};
@@ -23,6 +26,7 @@ use crate::metrics::{
     prometheus_memory, prometheus_with_device, MemoryStats, TenantMetrics, TenantStats,
 };
 use crate::supervise::{self, ServerProc};
+use crate::swap::{Evicted, Evictor, SwapConfig, Swapper, EVICT_TIMEOUT};
 use crate::Result;
 
 /// A guest must say HELLO within this time.
@@ -74,8 +78,35 @@ pub fn start(cfg: Config) -> Result<Handle> {
             "device-memory accounting ready"
         );
     }
+    let swap = if cfg.memory.overcommit > 1.0 {
+        let capacity = cfg
+            .memory
+            .capacity
+            .expect("validated: over-commit needs a capacity");
+        let sw = Swapper::new(SwapConfig {
+            capacity,
+            slots: cfg.memory.slots,
+            placement: cfg.memory.placement,
+            monitor: hira_policy::mem::MonitorConfig {
+                idle_threshold: cfg.memory.idle_after.as_nanos() as u64,
+                period: cfg.memory.replace_every.as_nanos() as u64,
+            },
+        })
+        .map_err(|e| crate::Error::Config(e.to_string()))?;
+        info!(
+            capacity = memory::format_size(capacity),
+            overcommit = cfg.memory.overcommit,
+            slots = cfg.memory.slots,
+            placement = %cfg.memory.placement,
+            "over-subscription on: buffers swap to host memory"
+        );
+        Some(Arc::new(sw))
+    } else {
+        None
+    };
     let router = Arc::new(Router {
         dispatch,
+        swap,
         memory: Arc::new(Mutex::new(memory)),
         alloc_refused: Arc::new(AtomicU64::new(0)),
         registered: Mutex::new(HashMap::new()),
@@ -107,6 +138,17 @@ pub fn start(cfg: Config) -> Result<Handle> {
         std::thread::Builder::new()
             .name("hira-watchdog".into())
             .spawn(move || r.watchdog())?;
+    }
+    if let Some(sw) = &router.swap {
+        let (sw, r) = (Arc::clone(sw), Arc::clone(&router));
+        std::thread::Builder::new()
+            .name("hira-placement".into())
+            .spawn(move || {
+                while !r.stopping.load(SeqCst) {
+                    std::thread::sleep(Duration::from_millis(250));
+                    sw.tick();
+                }
+            })?;
     }
     if let Some(l) = metrics_listener {
         let (r, r2) = (Arc::clone(&router), Arc::clone(&router));
@@ -208,6 +250,8 @@ struct Router {
     cfg: Config,
     /// The device's dispatcher (one device).
     dispatch: Arc<Dispatcher>,
+    /// Over-subscription (buffer swapping and slot placement), when configured.
+    swap: Option<Arc<Swapper>>,
     /// Device-memory accounting of every tenant.
     memory: Arc<Mutex<MemAccounts>>,
     /// Allocations refused since start.
@@ -355,6 +399,7 @@ impl Router {
             limit: (limit != u64::MAX).then_some(limit),
             committed: mem.committed(),
             refused: self.alloc_refused.load(Relaxed),
+            swap: self.swap.as_ref().map(|sw| Box::new(sw.view())),
         }
     }
 
@@ -371,6 +416,18 @@ impl Router {
             .map_err(|e: hira_policy::sched::SchedError| crate::Error::Refused(e.to_string()))?;
         self.dispatch.set_policy(kind);
         info!(policy = name, "scheduling policy changed");
+        Ok(())
+    }
+
+    fn set_placement(&self, name: &str) -> Result<()> {
+        let algo: hira_policy::mem::PlacementAlgo = name
+            .parse()
+            .map_err(|e: hira_policy::mem::MemError| crate::Error::Config(e.to_string()))?;
+        let sw = self.swap.as_ref().ok_or_else(|| {
+            crate::Error::Config("over-subscription is off (memory.overcommit is 1)".into())
+        })?;
+        sw.set_placement(algo);
+        info!(placement = %algo, "placement algorithm switched");
         Ok(())
     }
 
@@ -652,6 +709,11 @@ impl Router {
             dispatch: Arc::clone(&self.dispatch),
             memory: Arc::clone(&self.memory),
             alloc_refused: Arc::clone(&self.alloc_refused),
+            swap: self.swap.clone(),
+            evicted: Mutex::new(HashMap::new()),
+            evicted_cv: Condvar::new(),
+            next_evict: AtomicU64::new(1),
+            evict_gone: AtomicBool::new(false),
             m: Arc::new(TenantMetrics::new(id, key, command)),
             control,
             control_tx: Mutex::new(()),
@@ -663,6 +725,12 @@ impl Router {
         let _ = cell.set(Arc::downgrade(&tenant));
         tenant.m.mem_quota.store(quota.unwrap_or(0), Relaxed);
         tenant.send_visible_mem(false);
+        if let Some(sw) = &self.swap {
+            // Before any ATTACH: the server schedules its buffer commands from the start.
+            let frame = control_frame(control::SWAP_MODE, 0, &[1]);
+            tenant.send_control(&frame)?;
+            sw.add_tenant(id, quota, Arc::clone(&tenant) as Arc<dyn Evictor>);
+        }
         let t = Arc::clone(&tenant);
         std::thread::Builder::new()
             .name(format!("hira-control-{id}"))
@@ -800,6 +868,7 @@ impl Router {
                 },
                 Ok(Request::Shutdown) => Response::Ok,
                 Ok(Request::Policy { name }) => done(self.set_policy(name)),
+                Ok(Request::Placement { name }) => done(self.set_placement(name)),
                 Ok(Request::Set { tenant, patch }) => done(self.set_tenant(tenant, patch)),
                 Ok(Request::Register { patch }) if pid > 0 => {
                     let mut probe = self.cfg.tenant_settings("");
@@ -848,6 +917,14 @@ struct Tenant {
     memory: Arc<Mutex<MemAccounts>>,
     /// The router's count of refused allocations.
     alloc_refused: Arc<AtomicU64>,
+    /// Over-subscription, when on: buffer-touching commands wait for the dispatcher too.
+    swap: Option<Arc<Swapper>>,
+    /// EVICTED replies by sequence number, for the thread waiting in `evict`.
+    evicted: Mutex<HashMap<u64, Evicted>>,
+    evicted_cv: Condvar,
+    next_evict: AtomicU64,
+    /// The server is dying or being stopped: evictions fail at once.
+    evict_gone: AtomicBool,
     m: Arc<TenantMetrics>,
     /// Router end of the server's control socket.
     control: Conn,
@@ -891,6 +968,42 @@ impl Tenant {
             *self.m.final_sched.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
         }
         self.mem(|mem, id| mem.remove_tenant(id));
+        if let Some(sw) = &self.swap {
+            sw.remove_tenant(self.m.id);
+        }
+    }
+
+    /// The server is going: an eviction waiting for it gives up at once (before anything
+    /// takes the swapper, which that eviction may hold).
+    fn no_more_evictions(&self) {
+        self.evict_gone.store(true, SeqCst);
+        drop(lock(&self.evicted));
+        self.evicted_cv.notify_all();
+    }
+
+    fn send_control(&self, frame: &[u8]) -> hira_transport::Result<()> {
+        let _guard = lock(&self.control_tx);
+        self.control.send(frame, &[])
+    }
+
+    /// Whether `opcode` must wait for the dispatcher: launches always, buffer commands
+    /// while over-subscription is on.
+    fn scheduled(&self, opcode: u16) -> bool {
+        hira_opencl::op(opcode)
+            .is_some_and(|o| o.device_time || (o.resident && self.swap.is_some()))
+    }
+
+    /// Sees a request on its way to the server: the swapper learns kernel arguments and
+    /// makes a scheduled command's buffers resident.
+    fn before_forward(&self, h: &Header, payload: &[u8], scheduled: bool) {
+        let Some(sw) = &self.swap else { return };
+        if scheduled {
+            sw.before_run(self.m.id, h.opcode, payload);
+        } else if h.opcode == OP_CLSETKERNELARG {
+            if let Some((kernel, index, mem)) = kernel_arg(payload) {
+                sw.kernel_arg(self.m.id, kernel, index, mem);
+            }
+        }
     }
 
     // ---- device memory ----
@@ -951,7 +1064,12 @@ impl Tenant {
             }
             OP_CLRELEASEMEMOBJECT => {
                 if let Some(obj) = object() {
-                    self.mem(|mem, id| mem.release(id, obj));
+                    let freed = self.mem(|mem, id| mem.release(id, obj));
+                    if let Some(sw) = &self.swap {
+                        for id in freed {
+                            sw.freed(self.m.id, id);
+                        }
+                    }
                 }
             }
             _ => {}
@@ -965,12 +1083,23 @@ impl Tenant {
         let created = delivered
             .then(|| memory::created_id(payload, h.flags & flags::DEFERRED_ERROR != 0))
             .flatten();
-        self.mem(|mem, id| mem.reply(id, link, h.seq, created));
+        let bound = self.mem(|mem, id| mem.reply(id, link, h.seq, created));
+        if let (Some(sw), Some(id), Some(bytes)) = (&self.swap, created, bound) {
+            if matches!(
+                h.opcode,
+                OP_CLCREATEBUFFER | OP_CLCREATEBUFFERWITHPROPERTIES
+            ) {
+                sw.created(self.m.id, id, bytes);
+            }
+        }
     }
 
     /// Sets the tenant's quota (None: none) and tells its server.
     fn set_mem_quota(&self, quota: Option<u64>) {
         self.mem(|mem, id| mem.set_quota(id, quota));
+        if let Some(sw) = &self.swap {
+            sw.set_quota(self.m.id, quota);
+        }
         self.m.mem_quota.store(quota.unwrap_or(0), Relaxed);
         info!(
             tenant = self.m.id,
@@ -999,6 +1128,7 @@ impl Tenant {
     /// The router stops the tenant (a runaway kernel): its server is killed, so its calls
     /// fail with CL_OUT_OF_RESOURCES, and its device slots are returned.
     fn stop(&self, why: &str) {
+        self.no_more_evictions();
         self.unschedule();
         match &self.proc {
             Some(p) => {
@@ -1019,6 +1149,7 @@ impl Tenant {
 
     /// The server is gone: fail every outstanding call of every connection.
     fn server_died(&self, why: &str) {
+        self.no_more_evictions();
         self.unschedule();
         if self.dead.swap(true, SeqCst) {
             return;
@@ -1050,6 +1181,50 @@ impl Tenant {
                 .spawn(move || p.kill_after(SERVER_GRACE));
         }
     }
+}
+
+impl Evictor for Tenant {
+    fn evict(&self, ids: &[u64]) -> std::result::Result<Evicted, String> {
+        if self.evict_gone.load(SeqCst) {
+            return Err("the API server is gone".into());
+        }
+        let seq = self.next_evict.fetch_add(1, Relaxed);
+        let mut w = Writer::default();
+        w.u32(ids.len() as u32);
+        for &id in ids {
+            w.u64(id);
+        }
+        self.send_control(&control_frame(control::EVICT, seq, &w.buf))
+            .map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + EVICT_TIMEOUT;
+        let mut replies = lock(&self.evicted);
+        loop {
+            if let Some(ev) = replies.remove(&seq) {
+                return Ok(ev);
+            }
+            let now = Instant::now();
+            if self.evict_gone.load(SeqCst) || now >= deadline {
+                return Err(format!("no EVICTED within {}s", EVICT_TIMEOUT.as_secs()));
+            }
+            replies = self
+                .evicted_cv
+                .wait_timeout(replies, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+/// `clSetKernelArg(kernel, index, size, value)`: the kernel, the index, and the memory
+/// object the value names (None for plain bytes or local memory).
+fn kernel_arg(payload: &[u8]) -> Option<(u64, u32, Option<u64>)> {
+    let mut r = Reader::new(payload);
+    let (kernel, index, _size) = (r.u64().ok()?, r.u64().ok()?, r.u64().ok()?);
+    let mem = match r.u8().ok()? {
+        2 => Some(r.u64().ok()?),
+        _ => None,
+    };
+    Some((kernel, u32::try_from(index).ok()?, mem))
 }
 
 /// One guest connection and its socket to the server.
@@ -1180,6 +1355,16 @@ fn parent_pid(pid: i32) -> Option<i32> {
     rest.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// EVICTED's payload: bytes, time, then the ids the server kept.
+fn parse_evicted(payload: &[u8]) -> Option<Evicted> {
+    let mut r = Reader::new(payload);
+    let (bytes, ns, n) = (r.u64().ok()?, r.u64().ok()?, r.u32().ok()?);
+    let kept = (0..n.min(1 << 20))
+        .map(|_| r.u64().ok())
+        .collect::<Option<Vec<u64>>>()?;
+    Some(Evicted { bytes, ns, kept })
+}
+
 fn control_frame(opcode: u16, seq: u64, payload: &[u8]) -> Vec<u8> {
     let mut f = vec![0u8; HEADER_LEN];
     Header::new(Kind::Control, opcode, seq, payload.len()).write_to(&mut f);
@@ -1304,8 +1489,10 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
             None => frame,
         };
         last_seq = h.seq;
-        let device_time =
-            h.kind == Kind::Request && hira_opencl::op(h.opcode).is_some_and(|o| o.device_time);
+        let device_time = h.kind == Kind::Request && refused.is_none() && t.scheduled(h.opcode);
+        if h.kind == Kind::Request && refused.is_none() && !device_time {
+            t.before_forward(&h, &frame[HEADER_LEN..], false);
+        }
         let sent = if device_time {
             // A launch granted at once joins the batch; one that must wait for the
             // scheduler first lets everything before it go.
@@ -1326,6 +1513,7 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
                 }
                 continue;
             }
+            t.before_forward(&h, &frame[HEADER_LEN..], true);
             batch.extend_from_slice(frame);
             let r = before.and_then(|()| {
                 if reader.buffered() < HEADER_LEN || batch.len() >= BATCH_MAX {
@@ -1516,6 +1704,22 @@ fn control_loop(t: &Tenant, mut reader: FrameReader) {
             let mut r = Reader::new(&frame[HEADER_LEN..]);
             if let (Ok(ns), Ok(_measured)) = (r.u64(), r.u8()) {
                 t.dispatch.complete(t.m.id, ns);
+                if let Some(sw) = &t.swap {
+                    sw.note_busy(t.m.id, ns);
+                }
+            }
+        } else if h.kind == Kind::Control && h.opcode == control::EVICTED {
+            match parse_evicted(&frame[HEADER_LEN..]) {
+                Some(ev) => {
+                    lock(&t.evicted).insert(h.seq, ev);
+                    t.evicted_cv.notify_all();
+                }
+                None => warn!(tenant = t.m.id, "malformed EVICTED from the API server"),
+            }
+        } else if h.kind == Kind::Control && h.opcode == control::RESTORED {
+            let mut r = Reader::new(&frame[HEADER_LEN..]);
+            if let (Ok(id), Ok(bytes), Ok(ns), Some(sw)) = (r.u64(), r.u64(), r.u64(), &t.swap) {
+                sw.note_restored(t.m.id, id, bytes, ns);
             }
         } else {
             debug!(tenant = t.m.id, kind = ?h.kind, opcode = h.opcode, "ignored control frame");

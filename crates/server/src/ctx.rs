@@ -7,6 +7,7 @@ use hira_opencl::cl::*;
 use hira_opencl::{info_mode, InfoMode, INVALID_HANDLE, K_MEM, K_QUEUE, K_SAMPLER};
 use hira_transport::{Conn, ShmRegion};
 use hira_wire::{Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN};
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,18 +46,21 @@ pub enum CallbackKind {
     ObjectNotify,
 }
 
-struct Entry {
-    raw: usize,
-    kind: u8,
-    refs: u32,
-    bytes: u64,
+pub(crate) struct Entry {
+    /// The vendor object; 0 for a buffer evicted to host memory (see `swap`).
+    pub(crate) raw: usize,
+    pub(crate) kind: u8,
+    /// The tenant's references (the vendor's reference count mirrors it).
+    pub(crate) refs: u32,
+    /// Bytes counted in `Shared::mem_bytes` (evicted buffers included).
+    pub(crate) bytes: u64,
 }
 
 /// The tenant's handle table: ids on the wire, vendor pointers inside.
 #[derive(Default)]
 pub struct Table {
-    by_id: HashMap<u64, Entry>,
-    by_raw: HashMap<(usize, u8), u64>,
+    pub(crate) by_id: HashMap<u64, Entry>,
+    pub(crate) by_raw: HashMap<(usize, u8), u64>,
     next: u64,
 }
 
@@ -68,6 +72,8 @@ pub struct Shared {
     pub callbacks: Mutex<Option<Conn>>,
     pub device_ns: AtomicU64,
     pub device_ns_reported: AtomicU64,
+    /// Bytes of the tenant's buffers, evicted ones included (`swap::Swap::evicted_bytes`
+    /// tells how many of them live in host memory).
     pub mem_bytes: AtomicU64,
     /// The control socket to the router (kernel completions go there).
     pub control: Mutex<Option<Conn>>,
@@ -75,6 +81,8 @@ pub struct Shared {
     pub quota: AtomicU64,
     /// Staged non-blocking reads: guest-chosen id → (data, event).
     staged_reads: Mutex<HashMap<u64, (Vec<u8>, usize)>>,
+    /// Device-memory over-subscription: the gate, evicted buffers, kernel bindings.
+    pub(crate) swap: crate::swap::Swap,
 }
 
 impl Shared {
@@ -89,10 +97,11 @@ impl Shared {
             control: Mutex::new(None),
             staged_reads: Mutex::new(HashMap::new()),
             quota: AtomicU64::new(0),
+            swap: crate::swap::Swap::default(),
         })
     }
 
-    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+    pub(crate) fn table(&self) -> std::sync::MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -129,17 +138,47 @@ impl Shared {
         let mut w = Writer::with_header_room(HEADER_LEN);
         w.u64(device_ns);
         w.u8(measured as u8);
+        self.send_control(hira_wire::control::DONE, 0, w);
+    }
+
+    /// Send a control frame to the router; `w` was made with header room.
+    pub(crate) fn send_control(&self, opcode: u16, seq: u64, mut w: Writer) {
         let len = w.buf.len() - HEADER_LEN;
-        Header::new(Kind::Control, hira_wire::control::DONE, 0, len)
-            .write_to(&mut w.buf[..HEADER_LEN]);
+        Header::new(Kind::Control, opcode, seq, len).write_to(&mut w.buf[..HEADER_LEN]);
         if let Some(c) = self
             .control
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
         {
-            let _ = c.send(&w.buf, &[]);
+            if let Err(e) = c.send(&w.buf, &[]) {
+                tracing::debug!(opcode, "control frame lost: {e}");
+            }
         }
+    }
+
+    /// The tenant dropped a reference; the last one removes the handle. True if it did.
+    pub(crate) fn released(&self, id: u64) -> bool {
+        let mut t = self.table();
+        let gone = match t.by_id.get_mut(&id) {
+            Some(e) => {
+                e.refs = e.refs.saturating_sub(1);
+                e.refs == 0
+            }
+            None => false,
+        };
+        if gone {
+            if let Some(e) = t.by_id.remove(&id) {
+                if e.raw != 0 {
+                    t.by_raw.remove(&(e.raw, e.kind));
+                }
+                self.mem_bytes.fetch_sub(
+                    e.bytes.min(self.mem_bytes.load(Ordering::Relaxed)),
+                    Ordering::Relaxed,
+                );
+            }
+        }
+        gone
     }
 
     /// Send a callback frame to the guest.
@@ -168,6 +207,13 @@ pub struct Ctx {
     pub async_frame: bool,
     /// Inputs of a non-blocking write, handed to its completion callback.
     staged: Vec<Vec<u8>>,
+    /// This request holds the read side of the swap gate (taken at the first buffer it
+    /// resolves, given back in `reset`).
+    gate_held: Cell<bool>,
+    /// `track_event` ran: the command's completion (or failure) is already reported.
+    tracked: bool,
+    /// The buffer a clSetKernelArg passed: (id, evicted so the vendor got NULL).
+    pub(crate) arg_mem: Option<(u64, bool)>,
 }
 
 /// An input the vendor reads: a pointer valid for the handler's duration.
@@ -249,12 +295,44 @@ impl Ctx {
             shm,
             async_frame: false,
             staged: Vec::new(),
+            gate_held: Cell::new(false),
+            tracked: false,
+            arg_mem: None,
         }
     }
 
     /// Called after each request.
     pub fn reset(&mut self) {
         self.staged.clear();
+        self.tracked = false;
+        self.arg_mem = None;
+        if self.gate_held.replace(false) {
+            self.shared.swap.gate.read_done();
+        }
+    }
+
+    /// Hold the read side of the swap gate until `reset`: no eviction while this request
+    /// works with buffers.
+    pub(crate) fn hold_gate(&self) {
+        if !self.gate_held.get() {
+            self.shared.swap.gate.read();
+            self.gate_held.set(true);
+        }
+    }
+
+    /// Over-subscription is on: resident calls report their completions (DONE).
+    pub fn gated(&self) -> bool {
+        self.shared.swap.gated()
+    }
+
+    /// Before a launch: the kernel's buffer arguments are restored and re-bound.
+    pub fn prepare_kernel(&mut self, kernel_id: u64) -> Result<(), Fail> {
+        crate::swap::prepare_kernel(self, kernel_id)
+    }
+
+    /// `track_event` ran for this request (its DONE, if any, is taken care of).
+    pub(crate) fn tracked(&self) -> bool {
+        self.tracked
     }
 
     /// The vendor pointer behind a handle id of `kind` (0 is NULL).
@@ -262,9 +340,19 @@ impl Ctx {
         if id == 0 {
             return Ok(std::ptr::null_mut());
         }
+        if kind == K_MEM {
+            self.hold_gate();
+        }
         let t = self.shared.table();
         match t.by_id.get(&id) {
-            Some(e) if e.kind == kind => Ok(e.raw as *mut c_void),
+            Some(e) if e.kind == kind => {
+                if e.raw == 0 {
+                    // An evicted buffer: bring it back before the vendor sees it.
+                    drop(t);
+                    return crate::swap::restore(&self.shared, id);
+                }
+                Ok(e.raw as *mut c_void)
+            }
             _ => {
                 tracing::debug!(id, kind, "bad handle");
                 Err(Fail::Cl(
@@ -277,16 +365,22 @@ impl Ctx {
         }
     }
 
-    fn any_handle(&self, id: u64) -> Option<*mut c_void> {
+    /// A kernel argument's object and its kind; an evicted buffer is NULL (not restored).
+    fn any_handle(&self, id: u64) -> Option<(*mut c_void, u8)> {
+        self.hold_gate();
         let t = self.shared.table();
         t.by_id
             .get(&id)
             .filter(|e| matches!(e.kind, K_MEM | K_SAMPLER | K_QUEUE))
-            .map(|e| e.raw as *mut c_void)
+            .map(|e| (e.raw as *mut c_void, e.kind))
     }
 
     /// Register a new vendor object; returns its id (0 for NULL).
     pub fn register(&self, raw: *mut c_void, kind: u8) -> u64 {
+        if kind == K_MEM && !raw.is_null() {
+            // Its swap bookkeeping (tracking, pins) completes before any eviction.
+            self.hold_gate();
+        }
         let id = self.shared.id_for(raw, kind);
         if kind == K_MEM && id != 0 {
             self.account_mem(id, raw);
@@ -328,6 +422,9 @@ impl Ctx {
                 .mem_bytes
                 .fetch_add(size as u64, Ordering::Relaxed);
         }
+        if ret == CL_SUCCESS {
+            crate::swap::registered(&self.shared, id, raw, size as u64, parent);
+        }
     }
 
     /// Bind an object the guest named in advance (events of asynchronous enqueues).
@@ -358,23 +455,7 @@ impl Ctx {
 
     /// The tenant dropped a reference; the last one removes the handle.
     pub fn released(&self, id: u64) {
-        let mut t = self.shared.table();
-        let gone = match t.by_id.get_mut(&id) {
-            Some(e) => {
-                e.refs = e.refs.saturating_sub(1);
-                e.refs == 0
-            }
-            None => false,
-        };
-        if gone {
-            if let Some(e) = t.by_id.remove(&id) {
-                t.by_raw.remove(&(e.raw, e.kind));
-                self.shared.mem_bytes.fetch_sub(
-                    e.bytes.min(self.shared.mem_bytes.load(Ordering::Relaxed)),
-                    Ordering::Relaxed,
-                );
-            }
-        }
+        self.shared.released(id);
     }
 
     fn bytes_of<'a>(&self, b: Blob<'a>, need: u64) -> Result<Option<*const u8>, Fail> {
@@ -582,9 +663,14 @@ impl Ctx {
             KernelArg::Local => Ok(In::null()),
             KernelArg::Bytes(b) => self.in_bytes(b, size),
             KernelArg::Handle(id) => {
-                let raw = self.any_handle(id).ok_or(Fail::Cl(CL_INVALID_MEM_OBJECT))?;
+                let (raw, kind) = self.any_handle(id).ok_or(Fail::Cl(CL_INVALID_MEM_OBJECT))?;
                 if size != 8 {
                     return Err(Fail::Cl(CL_INVALID_ARG_SIZE));
+                }
+                if kind == K_MEM {
+                    // An evicted buffer is bound as NULL (legal for buffer arguments) and
+                    // re-bound when a launch needs it (`swap::prepare_kernel`).
+                    self.arg_mem = Some((id, raw.is_null()));
                 }
                 // The vendor reads the cl_mem value through this pointer during the call.
                 let bytes = (raw as u64).to_ne_bytes().to_vec();
@@ -649,14 +735,20 @@ impl Ctx {
     }
 
     /// Keep a non-blocking read's destination until the guest fetches it.
-    pub(crate) fn stage(&self, id: u64, data: Vec<u8>, ev: *mut c_void) -> Result<(), Fail> {
+    /// On refusal the data comes back: the vendor may still be writing into it.
+    pub(crate) fn stage(
+        &self,
+        id: u64,
+        data: Vec<u8>,
+        ev: *mut c_void,
+    ) -> Result<(), (Fail, Vec<u8>)> {
         let mut st = self
             .shared
             .staged_reads
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if st.len() > 4096 || st.contains_key(&id) {
-            return Err(Fail::Cl(CL_OUT_OF_RESOURCES));
+            return Err((Fail::Cl(CL_OUT_OF_RESOURCES), data));
         }
         st.insert(id, (data, ev as usize));
         Ok(())
@@ -774,6 +866,7 @@ impl Ctx {
     /// its event completes; release the event if the server made it for itself.
     pub(crate) fn track_event(&mut self, ret: i32, ev: *mut c_void, ours: bool, device_time: bool) {
         let staged = std::mem::take(&mut self.staged);
+        self.tracked = true;
         if ret != CL_SUCCESS || ev.is_null() {
             if device_time {
                 // The router holds a device slot for every launch it let through.
@@ -782,6 +875,9 @@ impl Ctx {
             return;
         }
         let Some(set_cb) = self.api.clSetEventCallback else {
+            if device_time {
+                self.shared.report_done(0, false);
+            }
             return;
         };
         let ctx = Box::new(DeviceTimeCtx {
@@ -802,7 +898,18 @@ impl Ctx {
         };
         if r != CL_SUCCESS {
             tracing::debug!(r, "no completion callback");
+            if device_time {
+                // Nobody would free the router's slot otherwise.
+                self.shared.report_done(0, false);
+            }
         }
+    }
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        // A connection that ends mid-request must not keep evictions out.
+        self.reset();
     }
 }
 

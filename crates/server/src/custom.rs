@@ -203,10 +203,11 @@ pub fn h_hiraEnqueueReadBufferStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result
         .api
         .clEnqueueReadBuffer
         .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let gated = cx.gated();
     let mut data = vec![0u8; size as usize];
     let mut ev: *mut c_void = std::ptr::null_mut();
     // SAFETY: validated handles; data has `size` bytes and lives in the staging table until
-    // the read completes (fetched or the tenant goes away).
+    // the read completes (fetched or the tenant goes away), or is waited for below.
     let ret = unsafe {
         f(
             queue,
@@ -220,15 +221,54 @@ pub fn h_hiraEnqueueReadBufferStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result
             &mut ev,
         )
     };
-    if ret == CL_SUCCESS {
-        if event_id != 0 {
-            if let Some(retain) = cx.api.clRetainEvent {
-                // SAFETY: a live event; the staging entry holds this extra reference.
-                unsafe { retain(ev) };
-            }
-            cx.bind(event_id, ev, K_EVENT)?;
+    if ret != CL_SUCCESS || ev.is_null() {
+        // A resident call while over-subscribed: the router holds a slot for it.
+        cx.track_event(ret, ev, false, gated);
+        let mut w = Writer::default();
+        w.i32(ret);
+        return Ok(w);
+    }
+    let (retain, release) = (cx.api.clRetainEvent, cx.api.clReleaseEvent);
+    if gated {
+        if let Some(retain) = retain {
+            // SAFETY: a live event; the completion callback releases this extra reference.
+            unsafe { retain(ev) };
+            cx.track_event(ret, ev, true, true);
+        } else {
+            cx.track_event(ret, ev, false, true);
         }
-        cx.stage(staging, data, ev)?;
+    }
+    // The vendor's reference goes to the guest's event (event_id) or to the staging entry;
+    // with an event id the staging entry takes one more.
+    let bound = if event_id != 0 {
+        if let Some(retain) = retain {
+            // SAFETY: a live event; the staging entry holds this extra reference.
+            unsafe { retain(ev) };
+        }
+        cx.bind(event_id, ev, K_EVENT).map_err(|e| (e, true))
+    } else {
+        Ok(())
+    };
+    let staged = match bound {
+        Ok(()) => cx.stage(staging, data, ev).map_err(|(e, d)| (e, false, d)),
+        Err((e, unbound)) => Err((e, unbound, data)),
+    };
+    if let Err((e, unbound, data)) = staged {
+        // The read is writing into `data`: it must finish before `data` goes.
+        if let Some(wait) = cx.api.clWaitForEvents {
+            // SAFETY: ev is live (this handler still holds its references).
+            unsafe { wait(1, &ev) };
+        }
+        drop(data);
+        if let Some(release) = release {
+            // The staging entry's reference, and the guest's if it was never bound.
+            let n = if event_id != 0 && unbound { 2 } else { 1 };
+            for _ in 0..n {
+                // SAFETY: references this handler owns (see above).
+                unsafe { release(ev) };
+            }
+        }
+        return Err(e);
     }
     let mut w = Writer::default();
     w.i32(ret);

@@ -9,6 +9,7 @@ mod ctx;
 mod custom;
 mod expr;
 mod serve;
+mod swap;
 
 pub use ctx::{Ctx, Fail, Shared};
 pub use serve::{main_from_env, serve_control};

@@ -41,13 +41,40 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
     std::thread::Builder::new()
         .name("usage".into())
         .spawn(move || report_usage(usage_shared))?;
+    // Evictions run on their own thread: a long one must not hold up ATTACH frames.
+    let (evict_tx, evict_rx) = std::sync::mpsc::channel();
+    let evict_shared = shared.clone();
+    std::thread::Builder::new()
+        .name("evict".into())
+        .spawn(move || crate::swap::evictor(evict_shared, evict_rx))?;
     let mut reader = FrameReader::new(control_conn);
     while let Some(frame) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)? {
         let h = Header::parse(frame)?;
+        let payload = &frame[HEADER_LEN..];
         if h.kind == Kind::Control && h.opcode == control::SET_QUOTA {
-            let q = Reader::new(&frame[HEADER_LEN..]).u64()?;
-            shared.quota.store(q, Ordering::Relaxed);
-            tracing::info!(quota = q, "device-memory quota set");
+            match Reader::new(payload).u64() {
+                Ok(q) => {
+                    shared.quota.store(q, Ordering::Relaxed);
+                    tracing::info!(quota = q, "device-memory quota set");
+                }
+                Err(e) => tracing::warn!("malformed SET_QUOTA: {e}"),
+            }
+            continue;
+        }
+        if h.kind == Kind::Control && h.opcode == control::SWAP_MODE {
+            match Reader::new(payload).u8() {
+                Ok(on) => {
+                    shared.swap.set_mode(on != 0);
+                    tracing::info!(on, "over-subscription mode set");
+                }
+                Err(e) => tracing::warn!("malformed SWAP_MODE: {e}"),
+            }
+            continue;
+        }
+        if h.kind == Kind::Control && h.opcode == control::EVICT {
+            if evict_tx.send((h.seq, payload.to_vec())).is_err() {
+                tracing::warn!("eviction thread gone; EVICT dropped");
+            }
             continue;
         }
         if h.kind != Kind::Control || h.opcode != control::ATTACH {
@@ -126,13 +153,14 @@ fn shadow(conn: Conn, mut cx: Ctx) -> anyhow::Result<()> {
         let result = match (h.kind, h.opcode) {
             (Kind::Request, op) => {
                 cx.async_frame = is_async;
-                let mut r = Reader::new(payload);
-                let res = crate::dispatch(&mut cx, op, &mut r);
+                let res = crate::swap::dispatch(&mut cx, op, payload);
+                let tracked = cx.tracked();
                 cx.reset();
                 if let Err(e) = &res {
                     let info = hira_opencl::op(op);
                     tracing::debug!(op = info.map_or("?", |o| o.name), "request refused: {e}");
-                    if info.is_some_and(|o| o.device_time) {
+                    if !tracked && info.is_some_and(|o| o.device_time || (o.resident && cx.gated()))
+                    {
                         // Refused before the vendor saw it: free the router's device slot.
                         cx.shared.report_done(0, false);
                     }

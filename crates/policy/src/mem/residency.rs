@@ -258,6 +258,63 @@ impl Residency {
         Ok(plan)
     }
 
+    /// A buffer just created on the device (its tenant made it while another may be
+    /// running): it stays resident if its extent collides with no resident buffer of another
+    /// tenant, and returns true; otherwise it is marked evicted and false tells the caller to
+    /// copy it out.
+    pub fn settle_new(&mut self, buf: BufferId) -> bool {
+        let Some(info) = self.buffers.get(&buf).copied() else {
+            return false;
+        };
+        let free = self.extent_if_placed(&info).is_some_and(|want| {
+            !self
+                .buffers
+                .iter()
+                .filter(|&(&id, b)| id != buf && b.owner != info.owner)
+                .filter_map(|(_, b)| self.extent(b))
+                .any(|e| overlaps(e, want))
+        });
+        if let Some(b) = self.buffers.get_mut(&buf) {
+            b.resident = free;
+        }
+        if !free {
+            self.stats.bytes_evicted += info.bytes;
+            self.stats.buffers_evicted += 1;
+        }
+        free
+    }
+
+    /// `buf` became resident outside a switch (its tenant restored it on its own, e.g. for an
+    /// info query): marks it resident and returns the other tenants' resident buffers that
+    /// overlap it, now marked evicted, for the caller to copy out.
+    pub fn claim(&mut self, buf: BufferId) -> Vec<(TenantId, BufferId, u64)> {
+        let Some(info) = self.buffers.get(&buf).copied() else {
+            return Vec::new();
+        };
+        if info.resident {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        if let Some(want) = self.extent_if_placed(&info) {
+            let victims: Vec<BufferId> = self
+                .buffers
+                .iter()
+                .filter(|(_, b)| b.owner != info.owner)
+                .filter(|(_, b)| self.extent(b).is_some_and(|e| overlaps(e, want)))
+                .map(|(&id, _)| id)
+                .collect();
+            for id in victims {
+                out.push(self.evict(id));
+            }
+        }
+        if let Some(b) = self.buffers.get_mut(&buf) {
+            b.resident = true;
+        }
+        self.stats.bytes_restored += info.bytes;
+        self.stats.buffers_restored += 1;
+        out
+    }
+
     /// Adopts a new placement (after the monitor re-placed tenants). Tenants whose slots
     /// moved or resized get their buffers laid out afresh inside the new slots; their
     /// resident buffers stay resident where that collides with nothing already there, and are
@@ -456,6 +513,43 @@ mod tests {
         assert_eq!(size_stats.bytes_restored, (24 + 18 * (5 - 1)) * SLOT);
         assert_eq!(util_stats.bytes_restored, (24 + 18 * (5 - 1)) * SLOT);
         assert_eq!(lls_stats.switches, 4 * 5);
+    }
+
+    /// Two tenants on the same two slots.
+    fn shared_pair() -> Residency {
+        let tenants = [demand(1, 2 * SLOT, 0.5), demand(2, 2 * SLOT, 0.5)];
+        let placement = place(2, SLOT, &tenants, PlacementAlgo::LeftmostLowestScore);
+        assert!(placement
+            .range(1)
+            .unwrap()
+            .overlaps(placement.range(2).unwrap()));
+        Residency::new(placement)
+    }
+
+    #[test]
+    fn new_buffer_stays_resident_only_on_free_bytes() {
+        let mut r = shared_pair();
+        r.alloc(1, 10, SLOT).unwrap();
+        assert!(r.settle_new(10), "nothing else is resident");
+        r.alloc(2, 20, SLOT).unwrap();
+        assert!(!r.settle_new(20), "tenant 1's buffer holds those bytes");
+        assert!(!r.is_resident(20));
+        assert_eq!(r.stats().bytes_evicted, SLOT);
+        r.alloc(1, 11, SLOT).unwrap();
+        assert!(r.settle_new(11), "a tenant's own buffers never collide");
+    }
+
+    #[test]
+    fn claim_evicts_the_overlapping_buffers_of_others() {
+        let mut r = shared_pair();
+        r.alloc(1, 10, SLOT).unwrap();
+        r.alloc(1, 11, SLOT).unwrap();
+        r.alloc(2, 20, SLOT).unwrap();
+        r.on_switch(1, &[10, 11]).unwrap();
+        assert_eq!(r.claim(20), vec![(1, 10, SLOT)]);
+        assert!(r.is_resident(20) && !r.is_resident(10) && r.is_resident(11));
+        assert!(r.claim(20).is_empty(), "already resident");
+        assert!(r.claim(99).is_empty(), "unknown buffer");
     }
 
     #[test]
