@@ -3,6 +3,7 @@
 //! hira's when started under `hira run`); [`compare`] runs it both ways and prints the ratio.
 
 pub mod fair;
+pub mod mem;
 
 use anyhow::{bail, Context, Result};
 use hira_server::Api;

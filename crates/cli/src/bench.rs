@@ -1,4 +1,5 @@
-//! `hira bench`: remoting overhead (native against hira), and `hira bench fairness`.
+//! `hira bench`: remoting overhead (native against hira), `hira bench fairness` and
+//! `hira bench memory`.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -10,6 +11,9 @@ use hira_bench::fair::FairOpts;
 pub fn bench(args: Vec<String>) -> Result<u8> {
     if args.first().map(String::as_str) == Some("fairness") {
         return fairness(args[1..].to_vec());
+    }
+    if args.first().map(String::as_str) == Some("memory") {
+        return memory(args[1..].to_vec());
     }
     let mut quick = false;
     for a in &args {
@@ -141,4 +145,118 @@ fn fairness(args: Vec<String>) -> Result<u8> {
     }
     print!("{}", hira_bench::fair::fairness(&o)?);
     Ok(0)
+}
+
+/// `hira bench-mem-tenant --buffers N --size BYTES [--rounds R] [--seconds S] [--seed X]
+/// [--utilization U] [--kernel-us K]`: the memory benchmark's tenant; its exit status is
+/// 0 (checksums ok), 1 (mismatch), 2 (an OpenCL call failed) or 64 (bad arguments).
+pub fn mem_tenant(args: Vec<String>) -> u8 {
+    hira_bench::mem::tenant_main(&args)
+}
+
+/// `hira bench memory [--mix set1..set5|all] [--seconds S] [--placement lls,size,util|all]
+/// [--tenants N] [--no-control] [--kernel-ms MS] [--sched P] [--unit-kib K]
+/// [--idle-after D] [--replace-every D] [--demand DEVICES|none]`; exits 1 when a tenant
+/// failed or the control run swapped.
+fn memory(args: Vec<String>) -> Result<u8> {
+    use hira_bench::mem::{
+        mix_by_name, MemOpts, DEFAULT_UNIT, IDLE_AFTER_MS, REPLACE_EVERY_MS, TABLE2_TENANTS,
+    };
+    let exe = std::env::current_exe().context("cannot locate the hira executable")?;
+    // hira run finds the ICD next to the executable: fail early and clearly if it cannot.
+    crate::run::find_icd()?;
+    let mut o = MemOpts {
+        mixes: vec![mix_by_name("set4").expect("Table 2 has set4")],
+        seconds: 20.0,
+        placements: vec!["lls".parse()?, "size".parse()?, "util".parse()?],
+        tenants: TABLE2_TENANTS,
+        control: true,
+        kernel_ms: 4.0,
+        demand: Some(0.6),
+        sched: "rr".into(),
+        unit: DEFAULT_UNIT,
+        monitor: hira_bench::mem::monitor_ms(IDLE_AFTER_MS, REPLACE_EVERY_MS),
+        exe,
+    };
+    let mut it = args.into_iter();
+    while let Some(arg) = it.next() {
+        if let Some(v) = crate::take_value(&arg, "--mix", &mut it)? {
+            o.mixes = if v == "all" {
+                (1..=5)
+                    .map(|i| mix_by_name(&format!("set{i}")).expect("Table 2 has five sets"))
+                    .collect()
+            } else {
+                v.split(',')
+                    .map(|m| {
+                        mix_by_name(m)
+                            .with_context(|| format!("unknown mix {m:?} (set1..set5, all)"))
+                    })
+                    .collect::<Result<_>>()?
+            };
+        } else if let Some(v) = crate::take_value(&arg, "--placement", &mut it)? {
+            let names = if v == "all" {
+                "lls,size,util".to_string()
+            } else {
+                v
+            };
+            o.placements = names
+                .split(',')
+                .map(|p| {
+                    p.parse().map_err(|_| {
+                        anyhow::anyhow!("unknown placement {p:?} (lls, size, util, all)")
+                    })
+                })
+                .collect::<Result<_>>()?;
+        } else if let Some(v) = crate::take_value(&arg, "--seconds", &mut it)? {
+            o.seconds = v.parse().context("--seconds")?;
+        } else if let Some(v) = crate::take_value(&arg, "--tenants", &mut it)? {
+            o.tenants = v.parse().context("--tenants")?;
+        } else if let Some(v) = crate::take_value(&arg, "--kernel-ms", &mut it)? {
+            o.kernel_ms = v.parse().context("--kernel-ms")?;
+        } else if let Some(v) = crate::take_value(&arg, "--sched", &mut it)? {
+            if !POLICIES.contains(&v.as_str()) {
+                bail!("unknown policy {v:?} ({})", POLICIES.join(", "));
+            }
+            o.sched = v;
+        } else if let Some(v) = crate::take_value(&arg, "--unit-kib", &mut it)? {
+            let k: u64 = v.parse().context("--unit-kib")?;
+            o.unit = k << 10;
+        } else if let Some(v) = crate::take_value(&arg, "--idle-after", &mut it)? {
+            let d =
+                hira_router::parse_duration(&v).with_context(|| format!("bad duration {v:?}"))?;
+            o.monitor.idle_threshold = d.as_nanos() as u64;
+        } else if let Some(v) = crate::take_value(&arg, "--replace-every", &mut it)? {
+            let d =
+                hira_router::parse_duration(&v).with_context(|| format!("bad duration {v:?}"))?;
+            o.monitor.period = d.as_nanos() as u64;
+        } else if let Some(v) = crate::take_value(&arg, "--demand", &mut it)? {
+            o.demand = if v == "none" {
+                None
+            } else {
+                let d: f64 = v
+                    .parse()
+                    .context("--demand: a number of devices, or none")?;
+                if !(d > 0.0 && d.is_finite()) {
+                    bail!("--demand must be positive");
+                }
+                Some(d)
+            };
+        } else if arg == "--no-control" {
+            o.control = false;
+        } else {
+            bail!("unknown argument {arg:?} for bench memory");
+        }
+    }
+    if o.tenants == 0 || o.tenants > TABLE2_TENANTS {
+        bail!("--tenants must be between 1 and {TABLE2_TENANTS}");
+    }
+    if !(o.seconds > 0.0 && o.kernel_ms > 0.0 && o.unit >= 1024) {
+        bail!("--seconds, --kernel-ms and --unit-kib must be positive");
+    }
+    if o.monitor.idle_threshold == 0 || o.monitor.period == 0 {
+        bail!("--idle-after and --replace-every must be positive");
+    }
+    let (report, ok) = hira_bench::mem::memory(&o)?;
+    print!("{report}");
+    Ok(if ok { 0 } else { 1 })
 }

@@ -25,6 +25,9 @@ usage:
   hira bench [--quick]
   hira bench fairness [--policy P|P,Q|all] [--tenants N] [--seconds S] [--png DIR]
                       [--weights 1,2,4 [--live]] [--depth D]
+  hira bench memory [--mix set1..set5|all] [--seconds S] [--placement lls,size,util|all]
+                    [--tenants N] [--no-control] [--kernel-ms MS] [--sched P] [--unit-kib K]
+                    [--idle-after DURATION] [--replace-every DURATION] [--demand D|none]
 
 SIZE: bytes, or with a unit KiB, MiB, GiB (e.g. 64MiB); none removes a quota.
 The router socket defaults to $HIRA_SOCKET, else /tmp/hira-<uid>/router.sock.";
@@ -55,6 +58,7 @@ fn run() -> Result<u8> {
         "bench" => bench::bench(rest),
         "bench-worker" => bench::worker(rest),
         "bench-tenant" => bench::tenant(rest),
+        "bench-mem-tenant" => Ok(bench::mem_tenant(rest)),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(0)
