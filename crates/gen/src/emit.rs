@@ -796,11 +796,10 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
     if f.resident {
         // A launch's buffer arguments may have been evicted since they were set: restore
         // them and bind the kernel to their current device objects.
-        if let Some(k) = f
-            .params
-            .iter()
-            .find(|p| p.kind == ParamKind::Value && spec.handle(&p.ty.base).is_some_and(|h| h.kind == "kernel"))
-        {
+        if let Some(k) = f.params.iter().find(|p| {
+            p.kind == ParamKind::Value
+                && spec.handle(&p.ty.base).is_some_and(|h| h.kind == "kernel")
+        }) {
             let _ = writeln!(s, "    cx.prepare_kernel({}_id)?;", k.name);
         }
     }
