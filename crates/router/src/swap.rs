@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use hira_policy::mem::{
-    place, BufferId, MemError, Monitor, MonitorConfig, PlacementAlgo, Residency, TenantDemand,
-    TenantId,
+    place, same_shape, sharing_cost, BufferId, MemError, Monitor, MonitorConfig, PlacementAlgo,
+    Residency, TenantDemand, TenantId,
 };
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
@@ -392,7 +392,7 @@ impl Swapper {
             }
         }
         if let Some(demands) = g.monitor.tick(now) {
-            self.adopt(&mut g, &demands);
+            self.adopt(&mut g, &demands, true);
         }
     }
 
@@ -469,13 +469,29 @@ impl Swapper {
                 d.bytes = tm.demand();
             }
         }
-        self.adopt(g, &demands);
+        self.adopt(g, &demands, false);
     }
 
-    fn adopt(&self, g: &mut Inner, demands: &[TenantDemand]) {
+    /// Adopts the placement `demands` give. A `periodic` re-placement that gives every
+    /// tenant the same number of slots is adopted only if it is expected to swap clearly
+    /// less ([`REPLACE_GAIN`]): measured utilizations jitter, and chasing every reordering
+    /// would copy more than it saves.
+    fn adopt(&self, g: &mut Inner, demands: &[TenantDemand], periodic: bool) {
         let placement = place(self.cfg.slots, self.slot_bytes(), demands, g.placement);
         if &placement == g.res.placement() {
             return;
+        }
+        if periodic && same_shape(&placement, g.res.placement()) {
+            let util: BTreeMap<TenantId, f64> =
+                demands.iter().map(|d| (d.id, d.utilization)).collect();
+            let (new, old) = (
+                sharing_cost(&placement, &util),
+                sharing_cost(g.res.placement(), &util),
+            );
+            if new > old * (1.0 - REPLACE_GAIN) {
+                debug!(new, old, "re-placement not worth its copies; kept");
+                return;
+            }
         }
         g.totals.placements += 1;
         debug!(placement = ?placement.iter().collect::<Vec<_>>(), "tenants placed");
@@ -529,6 +545,10 @@ impl Swapper {
         g.totals.evict_ns += started.elapsed().as_nanos() as u64;
     }
 }
+
+/// How much less a periodic re-placement must be expected to swap (by
+/// [`sharing_cost`]) to be worth moving tenants: 20 %.
+pub const REPLACE_GAIN: f64 = 0.2;
 
 /// The time an eviction may take before the router gives up waiting.
 pub const EVICT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -714,6 +734,35 @@ mod tests {
         );
         let t = s.totals();
         assert_eq!((t.bytes_restored, t.restore_ns), (24 * MIB, 5));
+    }
+
+    #[test]
+    fn periodic_re_placement_ignores_jitter_but_follows_real_change() {
+        let s = Swapper::new(SwapConfig {
+            placement: PlacementAlgo::UtilizationBased,
+            ..swapper(64 * MIB, 8).cfg
+        })
+        .unwrap();
+        let demands = |u: [f64; 4]| -> Vec<TenantDemand> {
+            (0..4)
+                .map(|i| TenantDemand {
+                    id: i as u64 + 1,
+                    bytes: 24 * MIB,
+                    utilization: u[i],
+                    idle: false,
+                })
+                .collect()
+        };
+        let mut g = lock(&s.inner);
+        s.adopt(&mut g, &demands([0.9, 0.8, 0.1, 0.05]), false);
+        let first = g.res.placement().clone();
+        // The two busy tenants swap ranks by a hair: same cost, nothing moves.
+        s.adopt(&mut g, &demands([0.8, 0.9, 0.1, 0.05]), true);
+        assert_eq!(g.res.placement(), &first);
+        // The idle pair became the busy pair: worth moving.
+        s.adopt(&mut g, &demands([0.05, 0.1, 0.8, 0.9]), true);
+        assert_ne!(g.res.placement(), &first);
+        assert_eq!(g.totals.placements, 2);
     }
 
     #[test]

@@ -24,7 +24,9 @@ pub mod residency;
 pub mod sim;
 
 pub use monitor::{Monitor, MonitorConfig};
-pub use placement::{place, Placement, PlacementAlgo, SlotRange, TenantDemand};
+pub use placement::{
+    place, same_shape, sharing_cost, Placement, PlacementAlgo, SlotRange, TenantDemand,
+};
 pub use quota::MemLedger;
 pub use residency::{BufferInfo, Residency, SwapPlan, SwapStats};
 

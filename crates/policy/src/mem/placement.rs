@@ -191,6 +191,37 @@ impl Placement {
     }
 }
 
+/// Expected swapping under a placement: for every pair of tenants with slots in common, the
+/// slots they share times the utilization of the less busy one (the device switches between
+/// them about as often as that one runs). Tenants missing from `utilization` count as idle.
+pub fn sharing_cost(p: &Placement, utilization: &BTreeMap<TenantId, f64>) -> f64 {
+    let ranges: Vec<(TenantId, SlotRange)> = p.iter().collect();
+    let mut cost = 0.0;
+    for (i, &(a, ra)) in ranges.iter().enumerate() {
+        for &(b, rb) in &ranges[i + 1..] {
+            let shared = ra
+                .end()
+                .min(rb.end())
+                .saturating_sub(ra.start.max(rb.start));
+            if shared > 0 {
+                let ua = utilization.get(&a).copied().unwrap_or(0.0);
+                let ub = utilization.get(&b).copied().unwrap_or(0.0);
+                cost += shared as f64 * ua.min(ub);
+            }
+        }
+    }
+    cost
+}
+
+/// Whether two placements give every tenant the same number of slots (they differ at most in
+/// where the slots are).
+pub fn same_shape(a: &Placement, b: &Placement) -> bool {
+    a.slots() == b.slots()
+        && a.iter().count() == b.iter().count()
+        && a.iter()
+            .all(|(t, r)| b.range(t).is_some_and(|o| o.len == r.len))
+}
+
 /// Places every non-idle tenant on `slots` slots of `slot_bytes` each. A tenant reserving
 /// `b` bytes gets `ceil(b / slot_bytes)` consecutive slots (at least one, at most all).
 /// Ties keep the order of `tenants`.
@@ -309,6 +340,28 @@ mod tests {
 
     fn starts(p: &Placement) -> Vec<(TenantId, usize, usize)> {
         p.iter().map(|(t, r)| (t, r.start, r.len)).collect()
+    }
+
+    #[test]
+    fn sharing_cost_weighs_shared_slots_by_the_less_busy_tenant() {
+        let tenants = [demand(1, 3, 0.9), demand(2, 3, 0.5), demand(3, 2, 0.1)];
+        let util: BTreeMap<TenantId, f64> = tenants.iter().map(|d| (d.id, d.utilization)).collect();
+        // Util-based on 4 slots: 1 alone on 0..3, then 2 on 1..4 and 3 on 2..4.
+        let p = place(4, 64, &tenants, PlacementAlgo::UtilizationBased);
+        assert_eq!(starts(&p), [(1, 0, 3), (2, 1, 3), (3, 2, 2)]);
+        let cost = sharing_cost(&p, &util);
+        // 1–2 share slots 1,2 (×0.5); 1–3 share slot 2 (×0.1); 2–3 share slots 2,3 (×0.1).
+        assert!(
+            (cost - (2.0 * 0.5 + 0.1 + 2.0 * 0.1)).abs() < 1e-9,
+            "{cost}"
+        );
+        let alone = place(8, 64, &tenants, PlacementAlgo::UtilizationBased);
+        assert_eq!(sharing_cost(&alone, &util), 0.0);
+        assert!(same_shape(
+            &p,
+            &place(4, 64, &tenants, PlacementAlgo::LeftmostLowestScore)
+        ));
+        assert!(!same_shape(&p, &alone), "different slot count");
     }
 
     #[test]
