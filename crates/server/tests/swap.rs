@@ -266,6 +266,19 @@ impl Server {
     fn log(&self) -> String {
         self.log.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
+
+    /// The server's log once `needle` appears in it `times` times (its stderr is read by
+    /// another thread, behind the replies), or after two seconds.
+    fn log_with(&self, needle: &str, times: usize) -> String {
+        let until = Instant::now() + Duration::from_secs(2);
+        loop {
+            let log = self.log();
+            if log.matches(needle).count() >= times || Instant::now() > until {
+                return log;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 impl Drop for Server {
@@ -707,7 +720,7 @@ fn malformed_evicts_pins_clones_and_gated_transfers() {
     w.u64(a);
     w.u8(0);
     assert_eq!(s.evict_raw(&w.buf), (0, vec![a]));
-    let log = s.log();
+    let log = s.log_with("malformed EVICT", 3);
     assert!(
         log.matches("malformed EVICT").count() >= 3,
         "malformed EVICTs not logged:\n{log}"
