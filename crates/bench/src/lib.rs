@@ -5,12 +5,16 @@
 pub mod fair;
 pub mod mem;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use hira_server::Api;
 use std::ffi::c_void;
+use std::fmt;
 use std::time::Instant;
 
-const CL_DEVICE_TYPE_ALL: u64 = 0xFFFF_FFFF;
+const CL_DEVICE_TYPE_CPU: u64 = 1 << 1;
+const CL_DEVICE_TYPE_GPU: u64 = 1 << 2;
+const CL_DEVICE_TYPE_ACCELERATOR: u64 = 1 << 3;
+const CL_DEVICE_NOT_FOUND: i32 = -1;
 const CL_DEVICE_NAME: u32 = 0x102B;
 
 /// One measured quantity.
@@ -30,13 +34,60 @@ struct Cl {
     device: *mut c_void,
 }
 
-fn check(what: &str, ret: i32) -> Result<()> {
-    if ret != 0 {
-        bail!("{what} failed: {ret}");
+/// An OpenCL call that failed.
+#[derive(Debug)]
+pub(crate) struct ClError {
+    pub(crate) call: &'static str,
+    pub(crate) code: i32,
+}
+
+impl fmt::Display for ClError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} returned {}", self.call, self.code)?;
+        if let Some(name) = cl_error_name(self.code) {
+            write!(f, " ({name})")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ClError {}
+
+fn cl_error_name(code: i32) -> Option<&'static str> {
+    Some(match code {
+        -1 => "CL_DEVICE_NOT_FOUND",
+        -2 => "CL_DEVICE_NOT_AVAILABLE",
+        -4 => "CL_MEM_OBJECT_ALLOCATION_FAILURE",
+        -5 => "CL_OUT_OF_RESOURCES",
+        -6 => "CL_OUT_OF_HOST_MEMORY",
+        -11 => "CL_BUILD_PROGRAM_FAILURE",
+        -14 => "CL_EXEC_STATUS_ERROR_FOR_EVENTS_IN_WAIT_LIST",
+        -30 => "CL_INVALID_VALUE",
+        -33 => "CL_INVALID_DEVICE",
+        -34 => "CL_INVALID_CONTEXT",
+        -36 => "CL_INVALID_COMMAND_QUEUE",
+        -38 => "CL_INVALID_MEM_OBJECT",
+        -48 => "CL_INVALID_KERNEL",
+        -51 => "CL_INVALID_ARG_SIZE",
+        -52 => "CL_INVALID_KERNEL_ARGS",
+        -54 => "CL_INVALID_WORK_GROUP_SIZE",
+        -59 => "CL_INVALID_OPERATION",
+        -61 => "CL_INVALID_BUFFER_SIZE",
+        -1001 => "CL_PLATFORM_NOT_FOUND_KHR",
+        _ => return None,
+    })
+}
+
+/// `Ok` for CL_SUCCESS, else the call's [`ClError`].
+fn check(call: &'static str, code: i32) -> Result<()> {
+    if code != 0 {
+        return Err(ClError { call, code }.into());
     }
     Ok(())
 }
 
+/// A context and in-order queue on the first GPU, accelerator or CPU device of the first
+/// platform.
 fn setup() -> Result<Cl> {
     // SAFETY: loading the system ICD loader.
     let lib =
@@ -56,16 +107,25 @@ fn setup() -> Result<Cl> {
                 std::ptr::null_mut(),
             ),
         )?;
-        check(
-            "clGetDeviceIDs",
-            api.clGetDeviceIDs.context("clGetDeviceIDs missing")?(
-                platform,
-                CL_DEVICE_TYPE_ALL,
-                1,
-                &mut device,
-                std::ptr::null_mut(),
-            ),
-        )?;
+        let get = api.clGetDeviceIDs.context("clGetDeviceIDs missing")?;
+        let mut found = false;
+        for ty in [
+            CL_DEVICE_TYPE_GPU,
+            CL_DEVICE_TYPE_ACCELERATOR,
+            CL_DEVICE_TYPE_CPU,
+        ] {
+            match get(platform, ty, 1, &mut device, std::ptr::null_mut()) {
+                0 => {
+                    found = true;
+                    break;
+                }
+                CL_DEVICE_NOT_FOUND => continue,
+                code => check("clGetDeviceIDs", code)?,
+            }
+        }
+        if !found {
+            check("clGetDeviceIDs", CL_DEVICE_NOT_FOUND)?;
+        }
         let ctx = api.clCreateContext.context("clCreateContext missing")?(
             std::ptr::null(),
             1,

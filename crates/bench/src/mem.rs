@@ -24,7 +24,7 @@
 //! (`hira_policy::mem::sim`) replays the same mix for comparison.
 
 use std::ffi::c_void;
-use std::fmt::{self, Write as _};
+use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -36,7 +36,6 @@ use hira_policy::mem::sim::{self, Mix, SimConfig, TABLE2};
 use hira_policy::mem::{MonitorConfig, PlacementAlgo};
 use hira_router::swap::SwapTotals;
 use hira_router::{Request, Response};
-use hira_server::Api;
 
 use crate::Cl;
 
@@ -62,10 +61,6 @@ const ADD_SRC: &[u8] =
     a[i] = x + add + (y & mask);\n\
 }\n\0";
 
-const CL_DEVICE_TYPE_CPU: u64 = 1 << 1;
-const CL_DEVICE_TYPE_GPU: u64 = 1 << 2;
-const CL_DEVICE_TYPE_ACCELERATOR: u64 = 1 << 3;
-const CL_DEVICE_NOT_FOUND: i32 = -1;
 const CL_MEM_READ_WRITE: u64 = 1;
 
 /// The tenant's options.
@@ -150,119 +145,6 @@ impl TenantOpts {
             o.rounds = Some(4);
         }
         Ok(o)
-    }
-}
-
-/// An OpenCL call that failed.
-#[derive(Debug)]
-struct ClError {
-    call: &'static str,
-    code: i32,
-}
-
-impl fmt::Display for ClError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} returned {}", self.call, self.code)?;
-        if let Some(name) = cl_error_name(self.code) {
-            write!(f, " ({name})")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for ClError {}
-
-fn cl_error_name(code: i32) -> Option<&'static str> {
-    Some(match code {
-        -1 => "CL_DEVICE_NOT_FOUND",
-        -2 => "CL_DEVICE_NOT_AVAILABLE",
-        -4 => "CL_MEM_OBJECT_ALLOCATION_FAILURE",
-        -5 => "CL_OUT_OF_RESOURCES",
-        -6 => "CL_OUT_OF_HOST_MEMORY",
-        -11 => "CL_BUILD_PROGRAM_FAILURE",
-        -14 => "CL_EXEC_STATUS_ERROR_FOR_EVENTS_IN_WAIT_LIST",
-        -30 => "CL_INVALID_VALUE",
-        -33 => "CL_INVALID_DEVICE",
-        -34 => "CL_INVALID_CONTEXT",
-        -36 => "CL_INVALID_COMMAND_QUEUE",
-        -38 => "CL_INVALID_MEM_OBJECT",
-        -48 => "CL_INVALID_KERNEL",
-        -51 => "CL_INVALID_ARG_SIZE",
-        -52 => "CL_INVALID_KERNEL_ARGS",
-        -54 => "CL_INVALID_WORK_GROUP_SIZE",
-        -59 => "CL_INVALID_OPERATION",
-        -61 => "CL_INVALID_BUFFER_SIZE",
-        -1001 => "CL_PLATFORM_NOT_FOUND_KHR",
-        _ => return None,
-    })
-}
-
-fn cl(call: &'static str, code: i32) -> Result<()> {
-    if code != 0 {
-        return Err(ClError { call, code }.into());
-    }
-    Ok(())
-}
-
-/// A context and in-order queue on the first GPU, accelerator or CPU device of the first
-/// platform.
-fn open_device() -> Result<Cl> {
-    // SAFETY: loading the system ICD loader.
-    let lib =
-        unsafe { libloading::Library::new("libOpenCL.so.1") }.context("loading libOpenCL.so.1")?;
-    let lib: &'static libloading::Library = Box::leak(Box::new(lib));
-    let api: &'static Api = Box::leak(Box::new(Api::load(lib)));
-    let mut platform = std::ptr::null_mut();
-    let mut device = std::ptr::null_mut();
-    let mut err = 0;
-    // SAFETY: out-pointers are live locals; counts match.
-    unsafe {
-        cl(
-            "clGetPlatformIDs",
-            api.clGetPlatformIDs.context("clGetPlatformIDs missing")?(
-                1,
-                &mut platform,
-                std::ptr::null_mut(),
-            ),
-        )?;
-        let get = api.clGetDeviceIDs.context("clGetDeviceIDs missing")?;
-        let mut found = false;
-        for ty in [
-            CL_DEVICE_TYPE_GPU,
-            CL_DEVICE_TYPE_ACCELERATOR,
-            CL_DEVICE_TYPE_CPU,
-        ] {
-            match get(platform, ty, 1, &mut device, std::ptr::null_mut()) {
-                0 => {
-                    found = true;
-                    break;
-                }
-                CL_DEVICE_NOT_FOUND => continue,
-                code => cl("clGetDeviceIDs", code)?,
-            }
-        }
-        if !found {
-            cl("clGetDeviceIDs", CL_DEVICE_NOT_FOUND)?;
-        }
-        let ctx = api.clCreateContext.context("clCreateContext missing")?(
-            std::ptr::null(),
-            1,
-            &device,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            &mut err,
-        );
-        cl("clCreateContext", err)?;
-        let queue = api
-            .clCreateCommandQueue
-            .context("clCreateCommandQueue missing")?(ctx, device, 0, &mut err);
-        cl("clCreateCommandQueue", err)?;
-        Ok(Cl {
-            api,
-            ctx,
-            queue,
-            device,
-        })
     }
 }
 
@@ -376,7 +258,7 @@ struct Work {
 impl Work {
     fn set_arg<T>(&self, index: u32, v: &T) -> Result<()> {
         // SAFETY: `v` is a live value of the argument's size.
-        cl("clSetKernelArg", unsafe {
+        crate::check("clSetKernelArg", unsafe {
             self.cl.api.clSetKernelArg.context("missing")?(
                 self.kernel,
                 index,
@@ -395,7 +277,7 @@ impl Work {
         let global = self.elems;
         // SAFETY: every argument is set; one dimension; no events.
         unsafe {
-            cl(
+            crate::check(
                 "clEnqueueNDRangeKernel",
                 api.clEnqueueNDRangeKernel.context("missing")?(
                     self.cl.queue,
@@ -409,14 +291,14 @@ impl Work {
                     std::ptr::null_mut(),
                 ),
             )?;
-            cl("clFinish", api.clFinish.context("missing")?(self.cl.queue))?;
+            crate::check("clFinish", api.clFinish.context("missing")?(self.cl.queue))?;
         }
         Ok(t.elapsed())
     }
 
     fn write(&self, b: usize, host: &[u32]) -> Result<()> {
         // SAFETY: `host` holds the buffer's bytes; blocking.
-        cl("clEnqueueWriteBuffer", unsafe {
+        crate::check("clEnqueueWriteBuffer", unsafe {
             self.cl.api.clEnqueueWriteBuffer.context("missing")?(
                 self.cl.queue,
                 self.bufs[b],
@@ -433,7 +315,7 @@ impl Work {
 
     fn read(&self, b: usize, host: &mut [u32]) -> Result<()> {
         // SAFETY: `host` has room for the buffer's bytes; blocking.
-        cl("clEnqueueReadBuffer", unsafe {
+        crate::check("clEnqueueReadBuffer", unsafe {
             self.cl.api.clEnqueueReadBuffer.context("missing")?(
                 self.cl.queue,
                 self.bufs[b],
@@ -465,7 +347,7 @@ fn work(cl: Cl, n: usize, size: usize) -> Result<Work> {
                 &mut err,
             )
         };
-        crate::mem::cl("clCreateBuffer", err)?;
+        crate::check("clCreateBuffer", err)?;
         bufs.push(b);
     }
     let w = Work {
@@ -538,7 +420,7 @@ fn calibrate(w: &Work, target_us: f64) -> Result<(u32, f64, f64)> {
 /// a buffer of `size` bytes (what the benchmark passes to its tenants): the median of three
 /// calibrations, with the launch time measured at it.
 pub fn calibrate_native(size: usize, target_us: f64) -> Result<(u32, f64, f64)> {
-    let w = work(open_device()?, 1, size)?;
+    let w = work(crate::setup()?, 1, size)?;
     let mut runs = Vec::new();
     for _ in 0..3 {
         runs.push(calibrate(&w, target_us)?);
@@ -561,7 +443,7 @@ fn wait_for_file(path: &Path) -> Result<()> {
 /// Runs the tenant: fill, rounds, final verification. A wrong element ends the run early
 /// with `mismatch` set; an OpenCL failure is an error.
 pub fn run_tenant(o: &TenantOpts) -> Result<TenantReport> {
-    let w = work(open_device()?, o.buffers, o.size)?;
+    let w = work(crate::setup()?, o.buffers, o.size)?;
     let elems = o.size / 4;
     let mut host = vec![0u32; elems];
     for b in 0..o.buffers {
@@ -668,7 +550,7 @@ pub fn tenant_main<S: AsRef<str>>(args: &[S]) -> u8 {
             u8::from(r.mismatch.is_some())
         }
         Err(e) => {
-            let line = match e.downcast_ref::<ClError>() {
+            let line = match e.downcast_ref::<crate::ClError>() {
                 Some(c) => format!("OpenCL error: {c}"),
                 None => format!("OpenCL error: {e:#}"),
             };

@@ -605,6 +605,21 @@ mod tests {
         })
     }
 
+    /// Two tenants whose 32 MiB reservations fill the same two slots, with servers that
+    /// know the buffer sizes given (`pinned_a`: tenant 1's server keeps these).
+    fn pair(
+        a_sizes: &[(u64, u64)],
+        b_sizes: &[(u64, u64)],
+        pinned_a: &[u64],
+    ) -> (Swapper, Arc<FakeServer>, Arc<FakeServer>) {
+        let s = swapper(32 * MIB, 2);
+        let a = server(a_sizes, pinned_a);
+        let b = server(b_sizes, &[]);
+        s.add_tenant(1, Some(32 * MIB), a.clone());
+        s.add_tenant(2, Some(32 * MIB), b.clone());
+        (s, a, b)
+    }
+
     /// The payload of clEnqueueWriteBuffer(queue, buffer, …) as the guest encodes it: only
     /// the two leading handles matter to `request_mems`, so the test builds the real frame
     /// through the generated decoder's own layout.
@@ -649,11 +664,7 @@ mod tests {
 
     #[test]
     fn tenants_on_the_same_slots_take_turns() {
-        let s = swapper(32 * MIB, 2);
-        let a = server(&[(1, 24 * MIB)], &[]);
-        let b = server(&[(1, 24 * MIB)], &[]);
-        s.add_tenant(1, Some(32 * MIB), a.clone());
-        s.add_tenant(2, Some(32 * MIB), b.clone());
+        let (s, a, b) = pair(&[(1, 24 * MIB)], &[(1, 24 * MIB)], &[]);
         s.created(1, 1, 24 * MIB);
         s.created(2, 1, 24 * MIB);
         // Tenant 2's new buffer lay on tenant 1's: it goes out before anything runs.
@@ -668,11 +679,7 @@ mod tests {
 
     #[test]
     fn a_launch_needs_its_kernel_arguments() {
-        let s = swapper(32 * MIB, 2);
-        let a = server(&[(1, 24 * MIB)], &[]);
-        let b = server(&[(1, 8 * MIB), (2, 24 * MIB)], &[]);
-        s.add_tenant(1, Some(32 * MIB), a.clone());
-        s.add_tenant(2, Some(32 * MIB), b.clone());
+        let (s, a, b) = pair(&[(1, 24 * MIB)], &[(1, 8 * MIB), (2, 24 * MIB)], &[]);
         s.created(1, 1, 24 * MIB);
         s.created(2, 1, 8 * MIB);
         s.created(2, 2, 24 * MIB);
@@ -700,11 +707,7 @@ mod tests {
 
     #[test]
     fn a_kept_buffer_is_pinned_and_never_asked_for_again() {
-        let s = swapper(32 * MIB, 2);
-        let a = server(&[(1, 24 * MIB)], &[1]);
-        let b = server(&[(1, 24 * MIB)], &[]);
-        s.add_tenant(1, Some(32 * MIB), a.clone());
-        s.add_tenant(2, Some(32 * MIB), b.clone());
+        let (s, a, _b) = pair(&[(1, 24 * MIB)], &[(1, 24 * MIB)], &[1]);
         s.created(1, 1, 24 * MIB);
         s.created(2, 1, 24 * MIB);
         s.before_run(1, hira_opencl::OP_CLENQUEUEWRITEBUFFER, &write_payload(1));
@@ -716,11 +719,7 @@ mod tests {
 
     #[test]
     fn restored_outside_a_plan_evicts_what_it_overlaps() {
-        let s = swapper(32 * MIB, 2);
-        let a = server(&[(1, 24 * MIB)], &[]);
-        let b = server(&[(1, 24 * MIB)], &[]);
-        s.add_tenant(1, Some(32 * MIB), a.clone());
-        s.add_tenant(2, Some(32 * MIB), b.clone());
+        let (s, _a, b) = pair(&[(1, 24 * MIB)], &[(1, 24 * MIB)], &[]);
         s.created(1, 1, 24 * MIB);
         s.created(2, 1, 24 * MIB);
         s.before_run(1, hira_opencl::OP_CLENQUEUEWRITEBUFFER, &write_payload(1));
@@ -767,11 +766,7 @@ mod tests {
 
     #[test]
     fn released_buffers_and_departed_tenants_are_forgotten() {
-        let s = swapper(32 * MIB, 2);
-        let a = server(&[(1, 24 * MIB)], &[]);
-        let b = server(&[(1, 24 * MIB)], &[]);
-        s.add_tenant(1, Some(32 * MIB), a.clone());
-        s.add_tenant(2, Some(32 * MIB), b.clone());
+        let (s, a, b) = pair(&[(1, 24 * MIB)], &[(1, 24 * MIB)], &[]);
         s.created(1, 1, 24 * MIB);
         s.freed(1, 1);
         s.created(2, 1, 24 * MIB);
