@@ -4,7 +4,8 @@
 #   scripts/programs.sh [--native-only] [--build-only]
 #
 # Programs:
-#   tests/programs/c/*.c      -> target/programs/<name>   (cc -O2 x.c -lOpenCL -lpthread)
+#   tests/programs/c/*.c      -> target/programs/<name>   (cc -O2 x.c -lOpenCL -lpthread):
+#                                info.c, vecadd.c, svm.c (coarse-grained buffer SVM)
 #   examples/rust-opencl3     -> target/programs/rust/release/hira-example-opencl3
 #
 # Each program is run natively and under `$HIRA run --` (HIRA defaults to
@@ -30,7 +31,7 @@ for arg in "$@"; do
     case "$arg" in
         --native-only) NATIVE_ONLY=1 ;;
         --build-only) BUILD_ONLY=1 ;;
-        -h|--help) sed -n 2,22p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,23p "$0"; exit 0 ;;
         *) echo "programs.sh: unknown argument: $arg" >&2; exit 2 ;;
     esac
 done

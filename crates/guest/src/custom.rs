@@ -11,6 +11,11 @@ use std::ffi::{c_char, c_void, CStr};
 use std::sync::{Mutex, OnceLock};
 
 pub use crate::staged::{clEnqueueReadBuffer, clEnqueueWriteBuffer};
+pub use crate::svm::{
+    clEnqueueSVMFree, clEnqueueSVMMap, clEnqueueSVMMemFill, clEnqueueSVMMemcpy,
+    clEnqueueSVMMigrateMem, clEnqueueSVMUnmap, clSVMAlloc, clSVMFree, clSetKernelArgSVMPointer,
+    clSetKernelExecInfo,
+};
 
 const CL_PLATFORM_NOT_FOUND_KHR: i32 = -1001;
 

@@ -9,6 +9,7 @@ mod callbacks;
 mod custom;
 mod rt;
 mod staged;
+mod svm;
 mod transfer;
 
 use std::ffi::{c_char, c_void};

@@ -491,6 +491,9 @@ impl Call {
     pub unsafe fn host_buffer(&mut self, p: *const u8, flags: u64, len: u64) {
         if flags & CL_MEM_USE_HOST_PTR != 0 {
             self.use_host_ptr = p as *mut c_void;
+            if self.svm_host_ptr(p, flags, len) {
+                return;
+            }
         }
         if flags & (CL_MEM_USE_HOST_PTR | CL_MEM_COPY_HOST_PTR) != 0 {
             // SAFETY: as above.
@@ -502,6 +505,35 @@ impl Call {
                 Blob::Inline(&[])
             });
         }
+    }
+
+    /// A CL_MEM_USE_HOST_PTR buffer inside an SVM mirror (`svm.rs`): the server creates it on
+    /// its allocation, so the buffer aliases the SVM memory. The flags, written just before
+    /// the size, get the marking bit and the host pointer travels as the server pointer.
+    /// False (nothing written) for anything else.
+    fn svm_host_ptr(&mut self, p: *const u8, flags: u64, len: u64) -> bool {
+        use hira_opencl::{OP_CLCREATEBUFFER, OP_CLCREATEBUFFERWITHPROPERTIES};
+        if !matches!(self.op, OP_CLCREATEBUFFER | OP_CLCREATEBUFFERWITHPROPERTIES) {
+            return false;
+        }
+        let Some(server) = crate::svm::buffer_alias(p, len) else {
+            return false;
+        };
+        let buf = &mut self.w.buf;
+        let Some(at) = buf.len().checked_sub(16).filter(|&at| at >= HEADER_LEN) else {
+            return false;
+        };
+        let word = |b: &[u8], i: usize| {
+            let mut v = [0u8; 8];
+            v.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(v)
+        };
+        if word(buf, at) != flags || word(buf, at + 8) != len {
+            return false;
+        }
+        buf[at..at + 8].copy_from_slice(&(flags | crate::svm::HOST_PTR_IS_SVM).to_le_bytes());
+        self.w.blob(Blob::Inline(&server.to_le_bytes()));
+        true
     }
 
     /// A `cl_image_desc` (72 bytes), its mem_object translated.
@@ -889,6 +921,8 @@ fn is_synchronizing(opcode: u16) -> bool {
             | OP_CLENQUEUEWRITEBUFFER
             | OP_CLENQUEUEWRITEBUFFERRECT
             | OP_CLENQUEUEWRITEIMAGE
+            | OP_CLENQUEUESVMMEMCPY
+            | OP_CLENQUEUESVMMAP
     )
 }
 

@@ -13,6 +13,8 @@ struct Pending {
     staging: u64,
     dst: usize,
     size: usize,
+    /// The destination was freed (an SVM mirror): fetch into scratch memory instead.
+    discard: bool,
 }
 
 fn pending() -> std::sync::MutexGuard<'static, Vec<Pending>> {
@@ -60,14 +62,52 @@ pub unsafe extern "C" fn clEnqueueReadBuffer(
         crate::hiraEnqueueReadBufferStaged(queue, buffer, offset, size, staging, nwait, wait, event)
     };
     if ret == 0 {
-        pending().push(Pending {
-            staging,
-            dst: ptr as usize,
-            size,
-        });
-        ANY.fetch_add(1, Ordering::Relaxed);
+        push(staging, ptr as usize, size);
     }
     ret
+}
+
+/// A fresh staging id (SVM copies to the host use them too).
+pub(crate) fn next_id() -> u64 {
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Remember a staged read into `size` bytes at `dst`, fetched when the application synchronizes.
+pub(crate) fn push(staging: u64, dst: usize, size: usize) {
+    pending().push(Pending {
+        staging,
+        dst,
+        size,
+        discard: false,
+    });
+    ANY.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Memory `[lo, hi)` is being freed: staged reads headed there go to scratch memory.
+pub(crate) fn discard(lo: usize, hi: usize) {
+    if ANY.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    for p in pending().iter_mut() {
+        if p.dst < hi && p.dst.saturating_add(p.size) > lo {
+            p.discard = true;
+        }
+    }
+}
+
+/// If staged read `staging` has not reached its destination yet, it never will (it is
+/// fetched into scratch memory): true. False once it was delivered.
+pub(crate) fn cancel(staging: u64) -> bool {
+    if ANY.load(Ordering::Relaxed) == 0 {
+        return false;
+    }
+    match pending().iter_mut().find(|p| p.staging == staging) {
+        Some(p) => {
+            p.discard = true;
+            true
+        }
+        None => false,
+    }
 }
 
 /// Copy every staged read that has completed into the application's memory. The registry
@@ -79,8 +119,15 @@ pub fn drain() {
     }
     let mut list = pending();
     list.retain(|p| {
-        // SAFETY: dst has size writable bytes (the application's read destination).
-        let r = unsafe { crate::hiraFetchStaged(p.staging, p.size, p.dst as *mut c_void) };
+        let mut scratch = Vec::new();
+        let dst = if p.discard {
+            scratch.resize(p.size, 0u8);
+            scratch.as_mut_ptr() as *mut c_void
+        } else {
+            p.dst as *mut c_void
+        };
+        // SAFETY: dst has size writable bytes (the application's read destination, or scratch).
+        let r = unsafe { crate::hiraFetchStaged(p.staging, p.size, dst) };
         if r == 1 {
             return true;
         }
@@ -103,6 +150,8 @@ pub fn drains_after(opcode: u16) -> bool {
             | OP_CLENQUEUEWRITEBUFFER
             | OP_CLENQUEUEWRITEBUFFERRECT
             | OP_CLENQUEUEWRITEIMAGE
+            | OP_CLENQUEUESVMMEMCPY
+            | OP_CLENQUEUESVMMAP
     )
 }
 

@@ -83,6 +83,8 @@ pub struct Shared {
     staged_reads: Mutex<HashMap<u64, (Vec<u8>, usize)>>,
     /// Device-memory over-subscription: the gate, evicted buffers, kernel bindings.
     pub(crate) swap: crate::swap::Swap,
+    /// The tenant's SVM allocations: the only server pointers it may name.
+    pub(crate) svm: crate::svm::Table,
 }
 
 impl Shared {
@@ -98,6 +100,7 @@ impl Shared {
             staged_reads: Mutex::new(HashMap::new()),
             quota: AtomicU64::new(0),
             swap: crate::swap::Swap::default(),
+            svm: crate::svm::Table::default(),
         })
     }
 
@@ -613,6 +616,13 @@ impl Ctx {
 
     /// A host pointer's contents, read only when the flags say the vendor reads it.
     pub fn in_host_buffer(&self, b: Blob<'_>, flags: u64, len: u64) -> Result<In<u8>, Fail> {
+        if flags & crate::svm::HOST_PTR_IS_SVM != 0 {
+            // The host pointer lies in an SVM allocation: the object uses that memory itself.
+            return Ok(In {
+                ptr: crate::svm::buffer_host_ptr(self, b, flags, len)?,
+                _keep: None,
+            });
+        }
         if flags & (CL_MEM_USE_HOST_PTR | CL_MEM_COPY_HOST_PTR) == 0 {
             return Ok(match b {
                 // A non-null pointer without USE/COPY: let the vendor reject it.
@@ -628,8 +638,11 @@ impl Ctx {
 
     /// USE_HOST_PTR cannot share the guest's memory: the server copies instead, and the guest
     /// keeps the application's pointer in step at map and unmap.
+    /// An SVM host pointer (checked by `in_host_buffer`) is used as it is.
     pub fn host_ptr_flags(flags: u64) -> u64 {
-        if flags & CL_MEM_USE_HOST_PTR != 0 {
+        if flags & crate::svm::HOST_PTR_IS_SVM != 0 {
+            flags & !crate::svm::HOST_PTR_IS_SVM
+        } else if flags & CL_MEM_USE_HOST_PTR != 0 {
             (flags & !CL_MEM_USE_HOST_PTR) | CL_MEM_COPY_HOST_PTR
         } else {
             flags

@@ -6,7 +6,14 @@ use hira_opencl::*;
 use hira_wire::{Reader, Writer};
 use std::ffi::c_void;
 
-/// Device info as the tenant sees it: SVM is not forwarded, so none is advertised.
+pub use crate::svm::{
+    h_clEnqueueSVMFree, h_clEnqueueSVMMap, h_clEnqueueSVMMemFill, h_clEnqueueSVMMemcpy,
+    h_clEnqueueSVMMigrateMem, h_clEnqueueSVMUnmap, h_clSVMAlloc, h_clSVMFree,
+    h_clSetKernelArgSVMPointer, h_clSetKernelExecInfo,
+};
+
+/// Device info as the tenant sees it: of SVM only coarse-grained buffers are forwarded, so
+/// fine-grained and atomic SVM are not advertised; the quota bounds the memory sizes.
 pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
     let device = cx.handle(r.u64()?, K_DEVICE)?;
     let param = r.u64()? as u32;
@@ -33,8 +40,10 @@ pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fai
     if ret == CL_SUCCESS && size >= 8 && !value.ptr().is_null() {
         let v = value.ptr() as *mut u64;
         match param {
-            // SAFETY: at least 8 bytes at v, a cl_bitfield result.
-            CL_DEVICE_SVM_CAPABILITIES => unsafe { *v = 0 },
+            CL_DEVICE_SVM_CAPABILITIES | crate::svm::CL_DEVICE_SVM_CAPABILITIES_ARM => {
+                // SAFETY: at least 8 bytes at v, a cl_bitfield result.
+                unsafe { *v &= crate::svm::CL_DEVICE_SVM_COARSE_GRAIN_BUFFER }
+            }
             CL_DEVICE_GLOBAL_MEM_SIZE | CL_DEVICE_MAX_MEM_ALLOC_SIZE if quota != 0 => {
                 // SAFETY: at least 8 bytes at v, a cl_ulong result.
                 unsafe { *v = (*v).min(quota) }

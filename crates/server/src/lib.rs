@@ -9,6 +9,7 @@ mod ctx;
 mod custom;
 mod expr;
 mod serve;
+mod svm;
 mod swap;
 
 pub use ctx::{Ctx, Fail, Shared};

@@ -40,7 +40,7 @@ use hira_opencl::cl::*;
 use hira_opencl::{
     K_KERNEL, K_MEM, K_QUEUE, OP_CLCLONEKERNEL, OP_CLCREATEBUFFER, OP_CLCREATEBUFFERWITHPROPERTIES,
     OP_CLRELEASECOMMANDQUEUE, OP_CLRELEASEKERNEL, OP_CLRELEASEMEMOBJECT, OP_CLRETAINMEMOBJECT,
-    OP_CLSETKERNELARG, OP_CLSETMEMOBJECTDESTRUCTORCALLBACK,
+    OP_CLSETKERNELARG, OP_CLSETKERNELARGSVMPOINTER, OP_CLSETMEMOBJECTDESTRUCTORCALLBACK,
 };
 use hira_wire::{control, Blob, Reader, Writer, HEADER_LEN};
 use std::collections::HashMap;
@@ -783,9 +783,11 @@ pub fn dispatch(cx: &mut Ctx, op: u16, payload: &[u8]) -> Result<Writer, Fail> {
             }
         }
         // They touch kernel arguments or queues an eviction works with.
-        OP_CLSETKERNELARG | OP_CLCLONEKERNEL | OP_CLRELEASEKERNEL | OP_CLRELEASECOMMANDQUEUE => {
-            cx.hold_gate()
-        }
+        OP_CLSETKERNELARG
+        | OP_CLSETKERNELARGSVMPOINTER
+        | OP_CLCLONEKERNEL
+        | OP_CLRELEASEKERNEL
+        | OP_CLRELEASECOMMANDQUEUE => cx.hold_gate(),
         _ => {}
     }
     let res = crate::dispatch(cx, op, &mut Reader::new(payload));
@@ -838,7 +840,8 @@ fn after(cx: &mut Ctx, op: u16, payload: &[u8], w: &Writer) {
                 }
             }
         }
-        OP_CLSETKERNELARG => {
+        // An SVM pointer replaces whatever buffer the argument held (no binding is kept).
+        OP_CLSETKERNELARG | OP_CLSETKERNELARGSVMPOINTER => {
             let (Ok(kernel), Ok(index)) = (r.u64(), r.u64()) else {
                 return;
             };

@@ -1,0 +1,733 @@
+//! SVM pointers a tenant sends are checked against the allocations it made through its own
+//! API server: forged ones (another tenant's, beside or past its own, freed, arbitrary) get
+//! CL_INVALID_VALUE (CL_INVALID_ARG_VALUE as a kernel argument) and a log line, and nothing
+//! is read or written. Real API server processes on the real OpenCL device; the tenants speak
+//! the wire protocol by hand (as a hostile tenant that bypasses the guest library would).
+//!
+//! Each server process is this test executable run again with only `server_process_entry`
+//! (which calls `hira_server::main_from_env`, as `hira server` does), so the server is always
+//! the code under test. The test plays the router: it attaches one calls connection per
+//! tenant and keeps the control socket.
+
+use hira_opencl::*;
+use hira_transport::{Conn, FrameReader, ShmRegion};
+use hira_wire::{
+    control, flags, Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME,
+};
+use std::io::BufRead;
+use std::os::fd::AsFd;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const ENTRY: &str = "server_process_entry";
+const ENTRY_ENV: &str = "HIRA_SVM_TEST_SERVER";
+
+const CL_INVALID_VALUE: i32 = -30;
+const CL_INVALID_ARG_VALUE: i32 = -50;
+const CL_MEM_READ_WRITE: u64 = 1;
+const CL_MEM_USE_HOST_PTR: u64 = 1 << 3;
+/// The guest's mark for a USE_HOST_PTR buffer on SVM memory (`crates/server/src/svm.rs`).
+const HOST_PTR_IS_SVM: u64 = 1 << 63;
+const CL_DEVICE_SVM_CAPABILITIES: u64 = 0x1053;
+const CL_KERNEL_EXEC_INFO_SVM_PTRS: u64 = 0x11B6;
+/// Copy tags (`crates/server/src/svm.rs`).
+const DST_SVM: u64 = 0;
+const DST_REPLY: u64 = 1;
+const SRC_SVM: u64 = 0;
+const SRC_BYTES: u64 = 1;
+const REFUSED_LOG: &str = "SVM pointer outside this tenant's allocations refused";
+
+/// Not a test: the server process (see the module doc). Does nothing in a normal run.
+#[test]
+fn server_process_entry() {
+    if std::env::var_os(ENTRY_ENV).is_none() {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info,hira_server=debug"))
+        .try_init();
+    let code = match hira_server::main_from_env() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("server failed: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+/// One tenant's API server process, our end of its control socket, and its log.
+struct Server {
+    child: Child,
+    ctl: Conn,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    fn spawn() -> Server {
+        let (ours, theirs) = Conn::pair().expect("socketpair");
+        let fd = theirs.as_raw_fd();
+        let mut cmd = Command::new(std::env::current_exe().expect("test executable"));
+        cmd.args([ENTRY, "--exact", "--nocapture", "--test-threads=1", "-q"])
+            .env(ENTRY_ENV, "1")
+            .env("HIRA_CONTROL_FD", fd.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        // SAFETY: runs in the forked child before exec and only calls the async-signal-safe
+        // fcntl on an fd the parent keeps open until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fl = libc::fcntl(fd, libc::F_GETFD);
+                if fl < 0 || libc::fcntl(fd, libc::F_SETFD, fl & !libc::FD_CLOEXEC) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().expect("server process");
+        drop(theirs);
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("[server] {line}");
+                let mut l = sink.lock().unwrap_or_else(|e| e.into_inner());
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        // Control frames (USAGE) are read and dropped.
+        let mut reader = FrameReader::new(ours.try_clone().expect("clone"));
+        std::thread::spawn(move || {
+            while let Ok(Some(_)) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {}
+        });
+        Server {
+            child,
+            ctl: ours,
+            log,
+        }
+    }
+
+    /// A calls connection, as the router attaches it.
+    fn attach(&self) -> Client {
+        let (ours, theirs) = Conn::pair().expect("socketpair");
+        let shm = ShmRegion::create("svm-test", 1 << 20).expect("shm");
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        w.u64(1);
+        w.u32(control::ROLE_CALLS);
+        w.u64(shm.len() as u64);
+        let len = w.buf.len() - HEADER_LEN;
+        Header::new(Kind::Control, control::ATTACH, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
+        self.ctl
+            .send(&w.buf, &[theirs.as_fd(), shm.fd()])
+            .expect("attach");
+        let reader = FrameReader::new(ours.try_clone().expect("clone"));
+        Client {
+            conn: ours,
+            reader,
+            seq: 0,
+            _shm: shm,
+        }
+    }
+
+    /// How often `needle` is in the log, once it is there `times` times or after two
+    /// seconds (stderr is read by another thread, behind the replies).
+    fn log_count(&self, needle: &str, times: usize) -> usize {
+        let until = Instant::now() + Duration::from_secs(2);
+        loop {
+            let n = self
+                .log
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .matches(needle)
+                .count();
+            if n >= times || Instant::now() > until {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.ctl.shutdown();
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A calls connection spoken by hand.
+struct Client {
+    conn: Conn,
+    reader: FrameReader,
+    seq: u64,
+    _shm: ShmRegion,
+}
+
+fn out(len: u64) -> OutSpec {
+    OutSpec::Inline { len }
+}
+
+/// The end of every enqueue: no wait list, no event.
+fn no_events(w: &mut Writer) {
+    w.u64(0);
+    w.blob(Blob::Null);
+    w.u64(0);
+}
+
+impl Client {
+    /// A synchronous call (asynchronous ones too: without the flag the server answers):
+    /// (status, rest of the reply).
+    fn call(&mut self, op: u16, w: &Writer) -> (i32, Vec<u8>) {
+        self.seq += 1;
+        let h = Header::new(Kind::Request, op, self.seq, w.buf.len());
+        let mut buf = h.to_bytes().to_vec();
+        buf.extend_from_slice(&w.buf);
+        self.conn.send(&buf, &[]).expect("send");
+        loop {
+            let f = self
+                .reader
+                .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
+                .expect("reply")
+                .expect("server closed the connection");
+            let h = Header::parse(f).expect("header");
+            if h.kind == Kind::Reply && h.seq == self.seq {
+                let p = &f[HEADER_LEN..];
+                let status = Reader::new(p).i32().expect("status");
+                let skip = if h.flags & flags::DEFERRED_ERROR != 0 {
+                    8
+                } else {
+                    4
+                };
+                return (status, p[skip..].to_vec());
+            }
+        }
+    }
+
+    /// The call's error: the refusal status, else the API's return value.
+    fn code(&mut self, op: u16, w: &Writer) -> i32 {
+        let (status, rest) = self.call(op, w);
+        if status != 0 {
+            return status;
+        }
+        Reader::new(&rest).i32().expect("ret")
+    }
+
+    /// A call that must succeed: the reply after `ret`.
+    fn ok(&mut self, op: u16, w: &Writer) -> Vec<u8> {
+        let (status, rest) = self.call(op, w);
+        let mut r = Reader::new(&rest);
+        assert_eq!((status, r.i32()), (0, Ok(0)), "op {op}");
+        rest[4..].to_vec()
+    }
+
+    fn create(&mut self, op: u16, w: &Writer) -> u64 {
+        let rest = self.ok(op, w);
+        Reader::new(&rest).u64().expect("id")
+    }
+
+    fn svm_alloc(&mut self, context: u64, size: u64) -> u64 {
+        let mut w = Writer::default();
+        w.u64(context);
+        w.u64(CL_MEM_READ_WRITE);
+        w.u64(size);
+        w.u64(0);
+        let rest = self.ok(OP_CLSVMALLOC, &w);
+        let p = Reader::new(&rest).u64().expect("pointer");
+        assert_ne!(p, 0, "clSVMAlloc");
+        p
+    }
+
+    fn fill(&mut self, queue: u64, ptr: u64, pattern: u32, size: u64) -> i32 {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(ptr);
+        w.blob(Blob::Inline(&pattern.to_le_bytes()));
+        w.u64(4);
+        w.u64(size);
+        no_events(&mut w);
+        self.code(OP_CLENQUEUESVMMEMFILL, &w)
+    }
+
+    /// A blocking SVM-to-host copy: (error, bytes).
+    fn read(&mut self, queue: u64, ptr: u64, size: u64) -> (i32, Vec<u8>) {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(1);
+        w.u64(DST_REPLY);
+        w.out_spec(out(size));
+        w.u64(SRC_SVM);
+        w.u64(ptr);
+        w.u64(size);
+        no_events(&mut w);
+        let (status, rest) = self.call(OP_CLENQUEUESVMMEMCPY, &w);
+        if status != 0 {
+            return (status, Vec::new());
+        }
+        let mut r = Reader::new(&rest);
+        let ret = r.i32().expect("ret");
+        (ret, r.bytes().expect("data").to_vec())
+    }
+
+    /// A blocking host-to-SVM copy.
+    fn write(&mut self, queue: u64, ptr: u64, data: &[u8]) -> i32 {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(1);
+        w.u64(DST_SVM);
+        w.u64(ptr);
+        w.u64(SRC_BYTES);
+        w.blob(Blob::Inline(data));
+        w.u64(data.len() as u64);
+        no_events(&mut w);
+        self.code(OP_CLENQUEUESVMMEMCPY, &w)
+    }
+
+    fn svm_to_svm(&mut self, queue: u64, dst: u64, src: u64, size: u64) -> i32 {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(1);
+        w.u64(DST_SVM);
+        w.u64(dst);
+        w.u64(SRC_SVM);
+        w.u64(src);
+        w.u64(size);
+        no_events(&mut w);
+        self.code(OP_CLENQUEUESVMMEMCPY, &w)
+    }
+
+    fn map(&mut self, queue: u64, ptr: u64, size: u64) -> i32 {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(1);
+        w.u64(1); // CL_MAP_READ
+        w.u64(ptr);
+        w.u64(size);
+        w.u64(DST_REPLY);
+        w.out_spec(out(size));
+        no_events(&mut w);
+        self.code(OP_CLENQUEUESVMMAP, &w)
+    }
+
+    fn unmap(&mut self, queue: u64, ptr: u64, data: &[u8]) -> i32 {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(ptr);
+        w.u64(data.len() as u64);
+        w.blob(Blob::Inline(data));
+        no_events(&mut w);
+        self.code(OP_CLENQUEUESVMUNMAP, &w)
+    }
+
+    fn migrate(&mut self, queue: u64, ptr: u64, size: u64) -> i32 {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(1);
+        w.blob(Blob::Inline(&ptr.to_le_bytes()));
+        w.blob(Blob::Inline(&size.to_le_bytes()));
+        w.u64(0);
+        no_events(&mut w);
+        self.code(OP_CLENQUEUESVMMIGRATEMEM, &w)
+    }
+
+    fn kernel_arg(&mut self, kernel: u64, ptr: u64) -> i32 {
+        let mut w = Writer::default();
+        w.u64(kernel);
+        w.u64(0);
+        w.u64(ptr);
+        self.code(OP_CLSETKERNELARGSVMPOINTER, &w)
+    }
+
+    fn exec_info(&mut self, kernel: u64, ptr: u64) -> i32 {
+        let mut w = Writer::default();
+        w.u64(kernel);
+        w.u64(CL_KERNEL_EXEC_INFO_SVM_PTRS);
+        w.u64(8);
+        w.blob(Blob::Inline(&ptr.to_le_bytes()));
+        self.code(OP_CLSETKERNELEXECINFO, &w)
+    }
+
+    /// clCreateBuffer on SVM memory, as the guest sends it: (error, buffer id).
+    fn buffer_on(&mut self, context: u64, ptr: u64, size: u64) -> (i32, u64) {
+        let mut w = Writer::default();
+        w.u64(context);
+        w.u64(CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR | HOST_PTR_IS_SVM);
+        w.u64(size);
+        w.blob(Blob::Inline(&ptr.to_le_bytes()));
+        let (status, rest) = self.call(OP_CLCREATEBUFFER, &w);
+        if status != 0 {
+            return (status, 0);
+        }
+        let mut r = Reader::new(&rest);
+        (r.i32().expect("errcode"), r.u64().expect("id"))
+    }
+
+    fn enqueue_free(&mut self, queue: u64, ptr: u64) -> i32 {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(1);
+        w.blob(Blob::Inline(&ptr.to_le_bytes()));
+        no_events(&mut w);
+        self.code(OP_CLENQUEUESVMFREE, &w)
+    }
+
+    fn svm_free(&mut self, context: u64, ptr: u64) -> i32 {
+        let mut w = Writer::default();
+        w.u64(context);
+        w.u64(ptr);
+        self.code(OP_CLSVMFREE, &w)
+    }
+
+    /// A blocking read of a whole buffer object.
+    fn read_buffer(&mut self, queue: u64, buf: u64, len: u64) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(buf);
+        w.u64(1);
+        w.u64(0);
+        w.u64(len);
+        w.out_spec(out(len));
+        no_events(&mut w);
+        let rest = self.ok(OP_CLENQUEUEREADBUFFER, &w);
+        Reader::new(&rest).bytes().expect("data").to_vec()
+    }
+}
+
+/// A tenant: its server, a connection, a context, a queue and a kernel with a pointer argument.
+struct Tenant {
+    server: Server,
+    c: Client,
+    device: u64,
+    context: u64,
+    queue: u64,
+    kernel: u64,
+}
+
+fn tenant() -> Tenant {
+    let server = Server::spawn();
+    let mut c = server.attach();
+    let mut w = Writer::default();
+    w.u64(1);
+    w.out_spec(out(8));
+    w.out_spec(out(4));
+    let rest = c.ok(OP_CLGETPLATFORMIDS, &w);
+    let platform = u64::from_le_bytes(
+        Reader::new(&rest)
+            .bytes()
+            .expect("platform")
+            .try_into()
+            .expect("8 bytes"),
+    );
+    let mut w = Writer::default();
+    w.u64(platform);
+    w.u64(0xFFFF_FFFF);
+    w.u64(1);
+    w.out_spec(out(8));
+    w.out_spec(out(4));
+    let rest = c.ok(OP_CLGETDEVICEIDS, &w);
+    let device_b = Reader::new(&rest).bytes().expect("device").to_vec();
+    let device = u64::from_le_bytes(device_b.as_slice().try_into().expect("8 bytes"));
+    let mut w = Writer::default();
+    w.blob(Blob::Null);
+    w.u64(1);
+    w.blob(Blob::Inline(&device_b));
+    w.u64(0);
+    let context = c.create(OP_CLCREATECONTEXT, &w);
+    let mut w = Writer::default();
+    w.u64(context);
+    w.u64(device);
+    w.u64(0);
+    let queue = c.create(OP_CLCREATECOMMANDQUEUE, &w);
+    let mut w = Writer::default();
+    w.u64(context);
+    w.u64(1);
+    w.u64(1);
+    w.blob(Blob::Inline(
+        b"__kernel void inc(__global uint *a) { a[get_global_id(0)] += 1; }",
+    ));
+    w.blob(Blob::Null);
+    let prog = c.create(OP_CLCREATEPROGRAMWITHSOURCE, &w);
+    let mut w = Writer::default();
+    w.u64(prog);
+    w.u64(0);
+    w.blob(Blob::Null);
+    w.blob(Blob::Null);
+    w.u64(0);
+    c.ok(OP_CLBUILDPROGRAM, &w);
+    let mut w = Writer::default();
+    w.u64(prog);
+    w.blob(Blob::Inline(b"inc"));
+    let kernel = c.create(OP_CLCREATEKERNEL, &w);
+    Tenant {
+        server,
+        c,
+        device,
+        context,
+        queue,
+        kernel,
+    }
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn forged_svm_pointers_are_refused() {
+    const A_SIZE: u64 = 1 << 16;
+    const B_SIZE: u64 = 3 << 12;
+    let mut a = tenant();
+    let mut b = tenant();
+    let secret = pattern(A_SIZE as usize, 7);
+    let a_ptr = a.c.svm_alloc(a.context, A_SIZE);
+    assert_eq!(a.c.write(a.queue, a_ptr, &secret), 0);
+    let b_ptr = b.c.svm_alloc(b.context, B_SIZE);
+    assert_eq!(b.c.fill(b.queue, b_ptr, 0x0101_0101, B_SIZE), 0);
+    let freed = b.c.svm_alloc(b.context, 4096);
+    assert_eq!(b.c.svm_free(b.context, freed), 0);
+
+    // Pointers B may not name: A's (meaningless in B's server, maybe someone's memory there),
+    // beside and past B's allocation, freed, arbitrary. A value that happens to fall inside
+    // B's own allocation is B's memory: left out.
+    let own = |p: u64, len: u64| p >= b_ptr && p.saturating_add(len) <= b_ptr + B_SIZE;
+    let forged: Vec<u64> = [
+        a_ptr,
+        a_ptr + 64,
+        b_ptr - 8,
+        b_ptr + B_SIZE,
+        b_ptr + (1 << 32),
+        freed,
+        0x1000,
+        0x7fff_ffff_f000,
+        u64::MAX - 7,
+    ]
+    .into_iter()
+    .filter(|&p| !own(p, 8))
+    .collect();
+    let mut refused = 0;
+    let mut wrong = Vec::new();
+    let mut expect = |what: &str, p: u64, got: i32, want: i32| {
+        refused += 1;
+        if got != want {
+            wrong.push(format!("{what}({p:#x}) -> {got}"));
+        }
+    };
+    for &p in &forged {
+        expect(
+            "fill",
+            p,
+            b.c.fill(b.queue, p, 0xdead_beef, 8),
+            CL_INVALID_VALUE,
+        );
+        expect("read", p, b.c.read(b.queue, p, 8).0, CL_INVALID_VALUE);
+        expect(
+            "write",
+            p,
+            b.c.write(b.queue, p, &[0xEE; 8]),
+            CL_INVALID_VALUE,
+        );
+        expect(
+            "copy to",
+            p,
+            b.c.svm_to_svm(b.queue, p, b_ptr, 8),
+            CL_INVALID_VALUE,
+        );
+        expect(
+            "copy from",
+            p,
+            b.c.svm_to_svm(b.queue, b_ptr, p, 8),
+            CL_INVALID_VALUE,
+        );
+        expect("map", p, b.c.map(b.queue, p, 8), CL_INVALID_VALUE);
+        expect(
+            "unmap",
+            p,
+            b.c.unmap(b.queue, p, &[0xEE; 8]),
+            CL_INVALID_VALUE,
+        );
+        expect("migrate", p, b.c.migrate(b.queue, p, 8), CL_INVALID_VALUE);
+        expect("arg", p, b.c.kernel_arg(b.kernel, p), CL_INVALID_ARG_VALUE);
+        expect("exec info", p, b.c.exec_info(b.kernel, p), CL_INVALID_VALUE);
+        expect(
+            "buffer",
+            p,
+            b.c.buffer_on(b.context, p, 8).0,
+            CL_INVALID_VALUE,
+        );
+        expect(
+            "enqueue free",
+            p,
+            b.c.enqueue_free(b.queue, p),
+            CL_INVALID_VALUE,
+        );
+        expect("free", p, b.c.svm_free(b.context, p), CL_INVALID_VALUE);
+    }
+    // Ranges that start inside B's allocation and run past its end.
+    let tail = b_ptr + B_SIZE - 4;
+    expect(
+        "fill past the end",
+        tail,
+        b.c.fill(b.queue, tail, 0, 8),
+        CL_INVALID_VALUE,
+    );
+    expect(
+        "read past the end",
+        tail,
+        b.c.read(b.queue, tail, 8).0,
+        CL_INVALID_VALUE,
+    );
+    expect(
+        "write past the end",
+        tail,
+        b.c.write(b.queue, tail, &[0; 8]),
+        CL_INVALID_VALUE,
+    );
+    expect(
+        "map past the end",
+        tail,
+        b.c.map(b.queue, tail, 8),
+        CL_INVALID_VALUE,
+    );
+    expect(
+        "copy past the end",
+        b_ptr,
+        b.c.svm_to_svm(b.queue, b_ptr + 8, b_ptr, B_SIZE),
+        CL_INVALID_VALUE,
+    );
+    expect(
+        "buffer past the end",
+        tail,
+        b.c.buffer_on(b.context, tail, 8).0,
+        CL_INVALID_VALUE,
+    );
+    expect(
+        "migrate past the end",
+        tail,
+        b.c.migrate(b.queue, tail, 8),
+        CL_INVALID_VALUE,
+    );
+    // An interior pointer is not an allocation to free.
+    expect(
+        "free inside",
+        b_ptr + 64,
+        b.c.svm_free(b.context, b_ptr + 64),
+        CL_INVALID_VALUE,
+    );
+    let wrong_count = wrong.len();
+    let refusals = refused;
+
+    let (ret_a, data_a) = a.c.read(a.queue, a_ptr, A_SIZE);
+    let (ret_b, data_b) = b.c.read(b.queue, b_ptr, B_SIZE);
+    // Refused frees log a line of their own.
+    let named = refusals - 2 * forged.len() - 1;
+    let logged = b.server.log_count(REFUSED_LOG, named);
+
+    assert!(wrong_count == 0, "not refused as expected: {wrong:?}");
+    assert_eq!(ret_a, 0);
+    assert!(data_a == secret, "the other tenant's SVM data changed");
+    assert_eq!(ret_b, 0);
+    assert!(
+        data_b.iter().all(|&x| x == 1),
+        "the tenant's own SVM data changed"
+    );
+    assert!(logged >= named, "{logged} log lines for {named} refusals");
+    assert_eq!(
+        a.server.log_count(REFUSED_LOG, 0),
+        0,
+        "the other server saw nothing"
+    );
+}
+
+#[test]
+fn svm_pointers_inside_the_tenants_allocations_work() {
+    const SIZE: u64 = 1 << 14;
+    let mut t = tenant();
+    let mut w = Writer::default();
+    w.u64(t.device);
+    w.u64(CL_DEVICE_SVM_CAPABILITIES);
+    w.u64(8);
+    w.out_spec(out(8));
+    w.out_spec(OutSpec::Null);
+    let rest = t.c.ok(OP_CLGETDEVICEINFO, &w);
+    let caps = u64::from_le_bytes(
+        Reader::new(&rest)
+            .bytes()
+            .expect("caps")
+            .try_into()
+            .expect("8 bytes"),
+    );
+    let p = t.c.svm_alloc(t.context, SIZE);
+    let data = pattern(SIZE as usize, 3);
+    let wrote = t.c.write(t.queue, p, &data);
+    let copied = t.c.svm_to_svm(t.queue, p + SIZE / 2, p, SIZE / 4);
+    let (ret, back) = t.c.read(t.queue, p, SIZE);
+    let mut want = data.clone();
+    want.copy_within(0..SIZE as usize / 4, SIZE as usize / 2);
+    // A buffer on the allocation aliases it: the kernel's increments show in SVM.
+    let (err, buf) = t.c.buffer_on(t.context, p + 4096, 4096);
+    let arg = t.c.kernel_arg(t.kernel, p + 8);
+    let info = t.c.exec_info(t.kernel, p);
+    let mut w = Writer::default();
+    w.u64(t.kernel);
+    w.u64(0);
+    w.u64(8);
+    w.u8(2);
+    w.u64(buf);
+    t.c.ok(OP_CLSETKERNELARG, &w);
+    let mut w = Writer::default();
+    w.u64(t.queue);
+    w.u64(t.kernel);
+    w.u64(1);
+    w.blob(Blob::Null);
+    w.blob(Blob::Inline(&1024u64.to_le_bytes()));
+    w.blob(Blob::Null);
+    no_events(&mut w);
+    t.c.ok(OP_CLENQUEUENDRANGEKERNEL, &w);
+    let via_buffer = t.c.read_buffer(t.queue, buf, 4096);
+    let (_, after) = t.c.read(t.queue, p + 4096, 4096);
+    let mut w = Writer::default();
+    w.u64(buf);
+    t.c.ok(OP_CLRELEASEMEMOBJECT, &w);
+    let freed = t.c.svm_free(t.context, p);
+    let use_after_free = t.c.fill(t.queue, p, 0, 4);
+
+    assert_eq!(caps, 1, "only CL_DEVICE_SVM_COARSE_GRAIN_BUFFER");
+    assert_eq!((wrote, copied, ret), (0, 0, 0));
+    assert!(
+        back == want,
+        "SVM contents after host->SVM and SVM->SVM copies"
+    );
+    assert_eq!((err, arg, info), (0, 0, 0));
+    let inc: Vec<u8> = data[4096..8192]
+        .chunks(4)
+        .flat_map(|c| {
+            u32::from_le_bytes(c.try_into().expect("4 bytes"))
+                .wrapping_add(1)
+                .to_le_bytes()
+        })
+        .collect();
+    assert!(via_buffer == inc, "the kernel ran on the aliasing buffer");
+    assert!(after == inc, "the buffer aliases the SVM allocation");
+    assert_eq!(freed, 0);
+    assert_eq!(
+        use_after_free, CL_INVALID_VALUE,
+        "a freed allocation is gone"
+    );
+}

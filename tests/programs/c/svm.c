@@ -1,0 +1,272 @@
+/* svm.c - coarse-grained buffer SVM, with deterministic output so that its
+ * stdout natively and under `hira run --` can be diffed byte for byte.
+ * Only results are printed, never pointers or capabilities beyond
+ * CL_DEVICE_SVM_COARSE_GRAIN_BUFFER (hira offers no fine-grained SVM).
+ *
+ * Covered: clSVMAlloc/clSVMFree, clEnqueueSVMMemFill, blocking and
+ * non-blocking clEnqueueSVMMap (READ, WRITE, WRITE_INVALIDATE_REGION) and
+ * clEnqueueSVMUnmap with events (also of a map never waited for), kernels on SVM through
+ * clSetKernelArgSVMPointer (base and offset pointers), clSetKernelExecInfo
+ * (SVM_PTRS), clEnqueueSVMMemcpy host->SVM, SVM->host (blocking and not) and
+ * SVM->SVM, clEnqueueSVMMigrateMem, a buffer created with CL_MEM_USE_HOST_PTR
+ * on SVM memory (it aliases the allocation), clEnqueueSVMFree with and
+ * without a free callback.
+ *
+ * Build: cc -O2 svm.c -lOpenCL
+ */
+#define CL_TARGET_OPENCL_VERSION 300
+#include <CL/cl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define CHECK(x) do { cl_int _e = (x); if (_e != CL_SUCCESS) { \
+    printf("ERROR %s -> %d (line %d)\n", #x, _e, __LINE__); exit(1); } } while (0)
+#define CHECKE(err) do { if ((err) != CL_SUCCESS) { \
+    printf("ERROR code %d (line %d)\n", (err), __LINE__); exit(1); } } while (0)
+
+#define N 4096u
+#define OFF 1000u
+
+static const char *SRC =
+    "__kernel void twice(__global float *a) {\n"
+    "    a[get_global_id(0)] *= 2.0f;\n"
+    "}\n"
+    "__kernel void add(__global int *out, __global const int *in, int k) {\n"
+    "    size_t i = get_global_id(0);\n"
+    "    out[i] = in[i] + k;\n"
+    "}\n"
+    "typedef struct { __global int *data; int n; } node;\n"
+    "__kernel void chase(__global node *nodes, __global int *sum) {\n"
+    "    int s = 0;\n"
+    "    for (int j = 0; j < nodes[0].n; j++) s += nodes[0].data[j];\n"
+    "    sum[0] = s;\n"
+    "}\n";
+
+static uint64_t fnv1a(const void *data, size_t len) {
+    const unsigned char *p = data;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < len; i++) { h ^= p[i]; h *= 1099511628211ull; }
+    return h;
+}
+
+static int freed_calls;
+static cl_uint freed_count;
+static cl_context free_ctx;
+
+static void CL_CALLBACK free_cb(cl_command_queue q, cl_uint n, void *ptrs[], void *ud) {
+    (void)q;
+    freed_calls++;
+    freed_count += n;
+    for (cl_uint i = 0; i < n; i++) clSVMFree(free_ctx, ptrs[i]);
+    *(int *)ud = 1;
+}
+
+int main(void) {
+    cl_int err;
+    cl_platform_id platform;
+    CHECK(clGetPlatformIDs(1, &platform, NULL));
+    cl_device_id dev;
+    CHECK(clGetDeviceIDs(platform, CL_DEVICE_TYPE_ALL, 1, &dev, NULL));
+    cl_device_svm_capabilities caps = 0;
+    CHECK(clGetDeviceInfo(dev, CL_DEVICE_SVM_CAPABILITIES, sizeof caps, &caps, NULL));
+    printf("coarse-grain buffer SVM: %s\n",
+           (caps & CL_DEVICE_SVM_COARSE_GRAIN_BUFFER) ? "yes" : "no");
+    if (!(caps & CL_DEVICE_SVM_COARSE_GRAIN_BUFFER)) return 0;
+
+    cl_context ctx = clCreateContext(NULL, 1, &dev, NULL, NULL, &err);
+    CHECKE(err);
+    free_ctx = ctx;
+    cl_command_queue q = clCreateCommandQueueWithProperties(ctx, dev, NULL, &err);
+    CHECKE(err);
+    cl_program prog = clCreateProgramWithSource(ctx, 1, &SRC, NULL, &err);
+    CHECKE(err);
+    CHECK(clBuildProgram(prog, 1, &dev, "", NULL, NULL));
+    cl_kernel twice = clCreateKernel(prog, "twice", &err);
+    CHECKE(err);
+    cl_kernel add = clCreateKernel(prog, "add", &err);
+    CHECKE(err);
+    cl_kernel chase = clCreateKernel(prog, "chase", &err);
+    CHECKE(err);
+
+    /* ---- allocate, fill, map/write/unmap */
+    float *a = clSVMAlloc(ctx, CL_MEM_READ_WRITE, N * sizeof(float), 64);
+    printf("alloc: %s, 64-byte aligned: %s\n", a ? "ok" : "NULL",
+           ((uintptr_t)a % 64) == 0 ? "yes" : "no");
+    void *none = clSVMAlloc(ctx, CL_MEM_READ_WRITE, 0, 0);
+    void *odd = clSVMAlloc(ctx, CL_MEM_READ_WRITE, 256, 3);
+    printf("size 0: %s, alignment 3: %s\n", none ? "ok" : "NULL", odd ? "ok" : "NULL");
+    float fill = 1.5f;
+    CHECK(clEnqueueSVMMemFill(q, a, &fill, sizeof fill, N * sizeof(float), 0, NULL, NULL));
+    CHECK(clEnqueueSVMMap(q, CL_TRUE, CL_MAP_READ, a, N * sizeof(float), 0, NULL, NULL));
+    printf("after fill: a[0]=%.2f a[%u]=%.2f\n", a[0], N - 1, a[N - 1]);
+    CHECK(clEnqueueSVMUnmap(q, a, 0, NULL, NULL));
+
+    cl_event mapped, unmapped;
+    CHECK(clEnqueueSVMMap(q, CL_TRUE, CL_MAP_WRITE, a, N * sizeof(float), 0, NULL, &mapped));
+    for (unsigned i = 0; i < N; i++) a[i] = (float)i;
+    CHECK(clEnqueueSVMUnmap(q, a, 0, NULL, &unmapped));
+    CHECK(clWaitForEvents(1, &unmapped));
+    cl_int st;
+    CHECK(clGetEventInfo(mapped, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL));
+    printf("map event complete: %s\n", st == CL_COMPLETE ? "yes" : "no");
+    CHECK(clReleaseEvent(mapped));
+    CHECK(clReleaseEvent(unmapped));
+
+    /* ---- kernels: the whole allocation, then from an offset pointer */
+    size_t gws = N;
+    CHECK(clSetKernelArgSVMPointer(twice, 0, a));
+    CHECK(clEnqueueNDRangeKernel(q, twice, 1, NULL, &gws, NULL, 0, NULL, NULL));
+    gws = N - OFF;
+    CHECK(clSetKernelArgSVMPointer(twice, 0, a + OFF));
+    CHECK(clEnqueueNDRangeKernel(q, twice, 1, NULL, &gws, NULL, 0, NULL, NULL));
+    CHECK(clEnqueueSVMMap(q, CL_TRUE, CL_MAP_READ, a, N * sizeof(float), 0, NULL, NULL));
+    int ok = 1;
+    for (unsigned i = 0; i < N; i++) ok &= a[i] == (float)i * (i < OFF ? 2.0f : 4.0f);
+    printf("twice (base and offset pointer): a[1]=%.1f a[%u]=%.1f a[%u]=%.1f %s\n", a[1],
+           OFF - 1, a[OFF - 1], N - 1, a[N - 1], ok ? "ok" : "WRONG");
+    CHECK(clEnqueueSVMUnmap(q, a, 0, NULL, NULL));
+
+    /* ---- memcpy: host -> SVM, SVM -> SVM, SVM -> host (blocking and not) */
+    int *in = clSVMAlloc(ctx, CL_MEM_READ_ONLY, N * sizeof(int), 0);
+    int *out = clSVMAlloc(ctx, CL_MEM_READ_WRITE, N * sizeof(int), 0);
+    int *big = clSVMAlloc(ctx, CL_MEM_READ_WRITE, 64 * N * sizeof(int), 128);
+    printf("three more allocations: %s\n", in && out && big ? "ok" : "NULL");
+    int *host = malloc(64 * N * sizeof(int));
+    for (unsigned i = 0; i < 64 * N; i++) host[i] = (int)(i * 7 + 3);
+    CHECK(clEnqueueSVMMemcpy(q, CL_TRUE, in, host, N * sizeof(int), 0, NULL, NULL));
+    CHECK(clEnqueueSVMMemcpy(q, CL_FALSE, big, host, 64 * N * sizeof(int), 0, NULL, NULL));
+    int k = 100;
+    gws = N;
+    CHECK(clSetKernelArgSVMPointer(add, 0, out));
+    CHECK(clSetKernelArgSVMPointer(add, 1, in));
+    CHECK(clSetKernelArg(add, 2, sizeof k, &k));
+    CHECK(clEnqueueNDRangeKernel(q, add, 1, NULL, &gws, NULL, 0, NULL, NULL));
+    int *back = calloc(N, sizeof(int));
+    CHECK(clEnqueueSVMMemcpy(q, CL_TRUE, back, out, N * sizeof(int), 0, NULL, NULL));
+    ok = 1;
+    for (unsigned i = 0; i < N; i++) ok &= back[i] == (int)(i * 7 + 3) + 100;
+    printf("add via SVM: back[0]=%d back[%u]=%d %s\n", back[0], N - 1, back[N - 1],
+           ok ? "ok" : "WRONG");
+    /* SVM -> SVM, into the middle of the large allocation */
+    CHECK(clEnqueueSVMMemcpy(q, CL_FALSE, big + 5 * N, out, N * sizeof(int), 0, NULL, NULL));
+    int *bigback = calloc(64 * N, sizeof(int));
+    cl_event got;
+    CHECK(clEnqueueSVMMemcpy(q, CL_FALSE, bigback, big, 64 * N * sizeof(int), 0, NULL, &got));
+    CHECK(clWaitForEvents(1, &got));
+    CHECK(clReleaseEvent(got));
+    ok = 1;
+    for (unsigned i = 0; i < 64 * N; i++) {
+        int want = (i >= 5 * N && i < 6 * N) ? (int)((i - 5 * N) * 7 + 3) + 100
+                                             : (int)(i * 7 + 3);
+        ok &= bigback[i] == want;
+    }
+    printf("SVM->SVM and non-blocking SVM->host (%u KiB): fnv %016llx %s\n",
+           (unsigned)(64 * N * sizeof(int) / 1024),
+           (unsigned long long)fnv1a(bigback, 64 * N * sizeof(int)), ok ? "ok" : "WRONG");
+
+    /* ---- non-blocking map, write-invalidate map */
+    cl_event ev;
+    CHECK(clEnqueueSVMMap(q, CL_FALSE, CL_MAP_READ | CL_MAP_WRITE, out, N * sizeof(int), 0,
+                          NULL, &ev));
+    CHECK(clWaitForEvents(1, &ev));
+    CHECK(clReleaseEvent(ev));
+    printf("non-blocking map: out[2]=%d\n", out[2]);
+    out[2] = -1;
+    CHECK(clEnqueueSVMUnmap(q, out, 0, NULL, NULL));
+    CHECK(clEnqueueSVMMap(q, CL_TRUE, CL_MAP_WRITE_INVALIDATE_REGION, in + 8, 8 * sizeof(int),
+                          0, NULL, NULL));
+    for (int i = 0; i < 8; i++) in[8 + i] = 1000 + i;
+    CHECK(clEnqueueSVMUnmap(q, in + 8, 0, NULL, NULL));
+    CHECK(clEnqueueSVMMemcpy(q, CL_TRUE, back, in, 20 * sizeof(int), 0, NULL, NULL));
+    printf("write-invalidate map of in[8..16): in[7]=%d in[8]=%d in[15]=%d in[16]=%d\n",
+           back[7], back[8], back[15], back[16]);
+    CHECK(clEnqueueSVMMemcpy(q, CL_TRUE, back, out, 4 * sizeof(int), 0, NULL, NULL));
+    printf("written through a map: out[2]=%d\n", back[2]);
+    /* a non-blocking map released without waiting for it changes nothing */
+    k = 200;
+    CHECK(clSetKernelArg(add, 2, sizeof k, &k));
+    CHECK(clEnqueueNDRangeKernel(q, add, 1, NULL, &gws, NULL, 0, NULL, NULL));
+    CHECK(clEnqueueSVMMap(q, CL_FALSE, CL_MAP_READ | CL_MAP_WRITE, out, N * sizeof(int), 0,
+                          NULL, NULL));
+    CHECK(clEnqueueSVMUnmap(q, out, 0, NULL, NULL));
+    CHECK(clEnqueueSVMMemcpy(q, CL_TRUE, back, out, 4 * sizeof(int), 0, NULL, NULL));
+    printf("map released unread, after add 200: out[2]=%d out[3]=%d\n", back[2], back[3]);
+
+    /* ---- SVM_PTRS exec info (the kernel is not run: a pointer stored inside SVM memory
+     * is a mirror address under hira, which the server cannot follow) */
+    struct { int *data; int n; int pad; } *nodes =
+        clSVMAlloc(ctx, CL_MEM_READ_WRITE, 64, 0);
+    int *sum = clSVMAlloc(ctx, CL_MEM_READ_WRITE, sizeof(int), 0);
+    CHECK(clEnqueueSVMMap(q, CL_TRUE, CL_MAP_WRITE, nodes, 64, 0, NULL, NULL));
+    memset(nodes, 0, 64);
+    nodes[0].n = 10;
+    CHECK(clEnqueueSVMUnmap(q, nodes, 0, NULL, NULL));
+    void *used[] = {in};
+    CHECK(clSetKernelExecInfo(chase, CL_KERNEL_EXEC_INFO_SVM_PTRS, sizeof used, used));
+    printf("exec info SVM_PTRS: ok\n");
+
+    /* ---- a buffer on SVM memory (CL_MEM_USE_HOST_PTR) aliases the allocation */
+    cl_mem view = clCreateBuffer(ctx, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR,
+                                 (N - OFF) * sizeof(float), a + OFF, &err);
+    CHECKE(err);
+    cl_bool uses_svm = CL_FALSE;
+    CHECK(clGetMemObjectInfo(view, CL_MEM_USES_SVM_POINTER, sizeof uses_svm, &uses_svm, NULL));
+    void *hp = NULL;
+    CHECK(clGetMemObjectInfo(view, CL_MEM_HOST_PTR, sizeof hp, &hp, NULL));
+    printf("buffer on SVM: uses SVM pointer %s, host pointer is the SVM pointer: %s\n",
+           uses_svm ? "yes" : "no", hp == (void *)(a + OFF) ? "yes" : "no");
+    gws = N - OFF;
+    CHECK(clSetKernelArg(twice, 0, sizeof view, &view));
+    CHECK(clEnqueueNDRangeKernel(q, twice, 1, NULL, &gws, NULL, 0, NULL, NULL));
+    CHECK(clFinish(q));
+    CHECK(clReleaseMemObject(view));
+    CHECK(clEnqueueSVMMap(q, CL_TRUE, CL_MAP_READ, a, N * sizeof(float), 0, NULL, NULL));
+    ok = 1;
+    for (unsigned i = 0; i < N; i++) ok &= a[i] == (float)i * (i < OFF ? 2.0f : 8.0f);
+    printf("kernel on the buffer, seen in SVM: a[%u]=%.1f a[%u]=%.1f %s\n", OFF - 1, a[OFF - 1],
+           N - 1, a[N - 1], ok ? "ok" : "WRONG");
+    CHECK(clEnqueueSVMUnmap(q, a, 0, NULL, NULL));
+
+    /* ---- migrate, free */
+    const void *mig[] = {a, out + 16};
+    size_t mig_sizes[] = {0, 64};
+    CHECK(clEnqueueSVMMigrateMem(q, 2, mig, mig_sizes, 0, 0, NULL, NULL));
+    CHECK(clFinish(q));
+    printf("migrate: ok\n");
+
+    void *to_free[] = {in, out};
+    cl_event freed;
+    CHECK(clEnqueueSVMFree(q, 2, to_free, NULL, NULL, 0, NULL, &freed));
+    CHECK(clWaitForEvents(1, &freed));
+    CHECK(clReleaseEvent(freed));
+    int cb_ran = 0;
+    void *cb_free[] = {nodes, sum};
+    CHECK(clEnqueueSVMFree(q, 2, cb_free, free_cb, &cb_ran, 0, NULL, NULL));
+    CHECK(clFinish(q));
+    for (int i = 0; i < 200 && !cb_ran; i++) {
+        struct timespec t = {0, 5000000};
+        nanosleep(&t, NULL);
+    }
+    printf("enqueued frees: callback ran %d time(s) for %u pointer(s)\n", freed_calls,
+           freed_count);
+    clSVMFree(ctx, a);
+    clSVMFree(ctx, big);
+    clSVMFree(ctx, NULL);
+    CHECK(clFinish(q));
+    printf("freed\n");
+
+    free(host);
+    free(back);
+    free(bigback);
+    clReleaseKernel(twice);
+    clReleaseKernel(add);
+    clReleaseKernel(chase);
+    clReleaseProgram(prog);
+    clReleaseCommandQueue(q);
+    clReleaseContext(ctx);
+    printf("done\n");
+    return 0;
+}
