@@ -9,17 +9,12 @@
 //! the code under test. The test plays the router: it attaches one calls connection per
 //! tenant and keeps the control socket.
 
+mod common;
+
+use common::{out, Client, Proc};
 use hira_opencl::*;
-use hira_transport::{Conn, FrameReader, ShmRegion};
-use hira_wire::{
-    control, flags, Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME,
-};
-use std::io::BufRead;
-use std::os::fd::AsFd;
-use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use hira_transport::FrameReader;
+use hira_wire::{Blob, Header, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME};
 
 const ENTRY: &str = "server_process_entry";
 const ENTRY_ENV: &str = "HIRA_SVM_TEST_SERVER";
@@ -42,145 +37,34 @@ const REFUSED_LOG: &str = "SVM pointer outside this tenant's allocations refused
 /// Not a test: the server process (see the module doc). Does nothing in a normal run.
 #[test]
 fn server_process_entry() {
-    if std::env::var_os(ENTRY_ENV).is_none() {
-        return;
-    }
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .with_env_filter(tracing_subscriber::EnvFilter::new("info,hira_server=debug"))
-        .try_init();
-    let code = match hira_server::main_from_env() {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("server failed: {e:#}");
-            1
-        }
-    };
-    std::process::exit(code);
+    common::server_entry(ENTRY_ENV);
 }
 
-/// One tenant's API server process, our end of its control socket, and its log.
+/// One tenant's API server process; its control frames (USAGE) are read and dropped.
 struct Server {
-    child: Child,
-    ctl: Conn,
-    log: Arc<Mutex<String>>,
+    proc: Proc,
 }
 
 impl Server {
     fn spawn() -> Server {
-        let (ours, theirs) = Conn::pair().expect("socketpair");
-        let fd = theirs.as_raw_fd();
-        let mut cmd = Command::new(std::env::current_exe().expect("test executable"));
-        cmd.args([ENTRY, "--exact", "--nocapture", "--test-threads=1", "-q"])
-            .env(ENTRY_ENV, "1")
-            .env("HIRA_CONTROL_FD", fd.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        // SAFETY: runs in the forked child before exec and only calls the async-signal-safe
-        // fcntl on an fd the parent keeps open until spawn returns.
-        unsafe {
-            cmd.pre_exec(move || {
-                let fl = libc::fcntl(fd, libc::F_GETFD);
-                if fl < 0 || libc::fcntl(fd, libc::F_SETFD, fl & !libc::FD_CLOEXEC) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().expect("server process");
-        drop(theirs);
-        let log = Arc::new(Mutex::new(String::new()));
-        let stderr = child.stderr.take().expect("stderr");
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                eprintln!("[server] {line}");
-                let mut l = sink.lock().unwrap_or_else(|e| e.into_inner());
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
-        // Control frames (USAGE) are read and dropped.
-        let mut reader = FrameReader::new(ours.try_clone().expect("clone"));
+        let proc = Proc::spawn(ENTRY, ENTRY_ENV);
+        let mut reader = FrameReader::new(proc.ctl.try_clone().expect("clone"));
         std::thread::spawn(move || {
             while let Ok(Some(_)) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {}
         });
-        Server {
-            child,
-            ctl: ours,
-            log,
-        }
+        Server { proc }
     }
 
     /// A calls connection, as the router attaches it.
     fn attach(&self) -> Client {
-        let (ours, theirs) = Conn::pair().expect("socketpair");
-        let shm = ShmRegion::create("svm-test", 1 << 20).expect("shm");
-        let mut w = Writer::with_header_room(HEADER_LEN);
-        w.u64(1);
-        w.u32(control::ROLE_CALLS);
-        w.u64(shm.len() as u64);
-        let len = w.buf.len() - HEADER_LEN;
-        Header::new(Kind::Control, control::ATTACH, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
-        self.ctl
-            .send(&w.buf, &[theirs.as_fd(), shm.fd()])
-            .expect("attach");
-        let reader = FrameReader::new(ours.try_clone().expect("clone"));
-        Client {
-            conn: ours,
-            reader,
-            seq: 0,
-            _shm: shm,
-        }
+        self.proc.attach()
     }
 
     /// How often `needle` is in the log, once it is there `times` times or after two
     /// seconds (stderr is read by another thread, behind the replies).
     fn log_count(&self, needle: &str, times: usize) -> usize {
-        let until = Instant::now() + Duration::from_secs(2);
-        loop {
-            let n = self
-                .log
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .matches(needle)
-                .count();
-            if n >= times || Instant::now() > until {
-                return n;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        self.proc.log_with(needle, times).matches(needle).count()
     }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.ctl.shutdown();
-        let until = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < until {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A calls connection spoken by hand.
-struct Client {
-    conn: Conn,
-    reader: FrameReader,
-    seq: u64,
-    _shm: ShmRegion,
-}
-
-fn out(len: u64) -> OutSpec {
-    OutSpec::Inline { len }
 }
 
 /// The end of every enqueue: no wait list, no event.
@@ -191,34 +75,6 @@ fn no_events(w: &mut Writer) {
 }
 
 impl Client {
-    /// A synchronous call (asynchronous ones too: without the flag the server answers):
-    /// (status, rest of the reply).
-    fn call(&mut self, op: u16, w: &Writer) -> (i32, Vec<u8>) {
-        self.seq += 1;
-        let h = Header::new(Kind::Request, op, self.seq, w.buf.len());
-        let mut buf = h.to_bytes().to_vec();
-        buf.extend_from_slice(&w.buf);
-        self.conn.send(&buf, &[]).expect("send");
-        loop {
-            let f = self
-                .reader
-                .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
-                .expect("reply")
-                .expect("server closed the connection");
-            let h = Header::parse(f).expect("header");
-            if h.kind == Kind::Reply && h.seq == self.seq {
-                let p = &f[HEADER_LEN..];
-                let status = Reader::new(p).i32().expect("status");
-                let skip = if h.flags & flags::DEFERRED_ERROR != 0 {
-                    8
-                } else {
-                    4
-                };
-                return (status, p[skip..].to_vec());
-            }
-        }
-    }
-
     /// The call's error: the refusal status, else the API's return value.
     fn code(&mut self, op: u16, w: &Writer) -> i32 {
         let (status, rest) = self.call(op, w);
@@ -226,19 +82,6 @@ impl Client {
             return status;
         }
         Reader::new(&rest).i32().expect("ret")
-    }
-
-    /// A call that must succeed: the reply after `ret`.
-    fn ok(&mut self, op: u16, w: &Writer) -> Vec<u8> {
-        let (status, rest) = self.call(op, w);
-        let mut r = Reader::new(&rest);
-        assert_eq!((status, r.i32()), (0, Ok(0)), "op {op}");
-        rest[4..].to_vec()
-    }
-
-    fn create(&mut self, op: u16, w: &Writer) -> u64 {
-        let rest = self.ok(op, w);
-        Reader::new(&rest).u64().expect("id")
     }
 
     fn svm_alloc(&mut self, context: u64, size: u64) -> u64 {

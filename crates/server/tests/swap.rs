@@ -7,17 +7,13 @@
 //! (which calls `hira_server::main_from_env`, as `hira server` does), so the server is
 //! always the code under test, never a `hira` binary left by an earlier build.
 
+mod common;
+
+use common::{out, Client, Proc};
 use hira_opencl::*;
-use hira_transport::{Conn, FrameReader, ShmRegion};
-use hira_wire::{
-    control, flags, Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME,
-};
-use std::io::BufRead;
-use std::os::fd::AsFd;
-use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
+use hira_transport::FrameReader;
+use hira_wire::{control, flags, Blob, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const ENTRY: &str = "server_process_entry";
@@ -35,76 +31,25 @@ const CL_INVALID_MEM_OBJECT: i32 = -38;
 /// Not a test: the server process (see the module doc). Does nothing in a normal run.
 #[test]
 fn server_process_entry() {
-    if std::env::var_os(ENTRY_ENV).is_none() {
-        return;
-    }
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .with_env_filter(tracing_subscriber::EnvFilter::new("info,hira_server=debug"))
-        .try_init();
-    let code = match hira_server::main_from_env() {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("server failed: {e:#}");
-            1
-        }
-    };
-    std::process::exit(code);
+    common::server_entry(ENTRY_ENV);
 }
 
 /// The API server process and our end of its control socket.
 struct Server {
-    child: Child,
-    ctl: Conn,
+    proc: Proc,
     frames: Receiver<(Header, Vec<u8>)>,
     /// Control frames read but not yet asked for (USAGE excluded).
     backlog: Vec<(Header, Vec<u8>)>,
     /// The latest USAGE: device ns, memory bytes, objects.
     usage: Option<(u64, u64, u64)>,
-    /// The server's log (stderr).
-    log: Arc<Mutex<String>>,
     seq: u64,
 }
 
 impl Server {
     fn spawn() -> Server {
-        let (ours, theirs) = Conn::pair().expect("socketpair");
-        let fd = theirs.as_raw_fd();
-        let mut cmd = Command::new(std::env::current_exe().expect("test executable"));
-        cmd.args([ENTRY, "--exact", "--nocapture", "--test-threads=1", "-q"])
-            .env(ENTRY_ENV, "1")
-            .env("HIRA_CONTROL_FD", fd.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        // SAFETY: runs in the forked child before exec and only calls the async-signal-safe
-        // fcntl on an fd the parent keeps open until spawn returns.
-        unsafe {
-            cmd.pre_exec(move || {
-                let fl = libc::fcntl(fd, libc::F_GETFD);
-                if fl < 0 || libc::fcntl(fd, libc::F_SETFD, fl & !libc::FD_CLOEXEC) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().expect("server process");
-        drop(theirs);
-        let log = Arc::new(Mutex::new(String::new()));
-        let stderr = child.stderr.take().expect("stderr");
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                eprintln!("[server] {line}");
-                let mut l = sink.lock().unwrap_or_else(|e| e.into_inner());
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
+        let proc = Proc::spawn(ENTRY, ENTRY_ENV);
         let (tx, frames) = std::sync::mpsc::channel();
-        let mut reader = FrameReader::new(ours.try_clone().expect("clone"));
+        let mut reader = FrameReader::new(proc.ctl.try_clone().expect("clone"));
         std::thread::spawn(move || {
             while let Ok(Some(f)) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {
                 let Ok(h) = Header::parse(f) else { break };
@@ -114,36 +59,17 @@ impl Server {
             }
         });
         Server {
-            child,
-            ctl: ours,
+            proc,
             frames,
             backlog: Vec::new(),
             usage: None,
-            log,
             seq: 0,
         }
     }
 
     /// A calls connection, as the router attaches it.
     fn attach(&self) -> Client {
-        let (ours, theirs) = Conn::pair().expect("socketpair");
-        let shm = ShmRegion::create("swap-test", 1 << 20).expect("shm");
-        let mut w = Writer::with_header_room(HEADER_LEN);
-        w.u64(1);
-        w.u32(control::ROLE_CALLS);
-        w.u64(shm.len() as u64);
-        let len = w.buf.len() - HEADER_LEN;
-        Header::new(Kind::Control, control::ATTACH, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
-        self.ctl
-            .send(&w.buf, &[theirs.as_fd(), shm.fd()])
-            .expect("attach");
-        let reader = FrameReader::new(ours.try_clone().expect("clone"));
-        Client {
-            conn: ours,
-            reader,
-            seq: 0,
-            _shm: shm,
-        }
+        self.proc.attach()
     }
 
     fn control(&mut self, op: u16, payload: &[u8]) -> u64 {
@@ -152,7 +78,7 @@ impl Server {
             .to_bytes()
             .to_vec();
         buf.extend_from_slice(payload);
-        self.ctl.send(&buf, &[]).expect("control send");
+        self.proc.ctl.send(&buf, &[]).expect("control send");
         self.seq
     }
 
@@ -264,97 +190,15 @@ impl Server {
     }
 
     fn log(&self) -> String {
-        self.log.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.proc.log()
     }
 
-    /// The server's log once `needle` appears in it `times` times (its stderr is read by
-    /// another thread, behind the replies), or after two seconds.
     fn log_with(&self, needle: &str, times: usize) -> String {
-        let until = Instant::now() + Duration::from_secs(2);
-        loop {
-            let log = self.log();
-            if log.matches(needle).count() >= times || Instant::now() > until {
-                return log;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        self.proc.log_with(needle, times)
     }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.ctl.shutdown();
-        let until = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < until {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A calls connection spoken by hand.
-struct Client {
-    conn: Conn,
-    reader: FrameReader,
-    seq: u64,
-    _shm: ShmRegion,
-}
-
-fn out(len: u64) -> OutSpec {
-    OutSpec::Inline { len }
 }
 
 impl Client {
-    fn send(&mut self, op: u16, payload: &[u8], fl: u8) {
-        self.seq += 1;
-        let mut h = Header::new(Kind::Request, op, self.seq, payload.len());
-        h.flags = fl;
-        let mut buf = h.to_bytes().to_vec();
-        buf.extend_from_slice(payload);
-        self.conn.send(&buf, &[]).expect("send");
-    }
-
-    /// A synchronous call: (status, rest of the reply).
-    fn call(&mut self, op: u16, w: &Writer) -> (i32, Vec<u8>) {
-        self.send(op, &w.buf, 0);
-        loop {
-            let f = self
-                .reader
-                .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
-                .expect("reply")
-                .expect("server closed the connection");
-            let h = Header::parse(f).expect("header");
-            if h.kind == Kind::Reply && h.seq == self.seq {
-                let p = &f[HEADER_LEN..];
-                let status = Reader::new(p).i32().expect("status");
-                let skip = if h.flags & flags::DEFERRED_ERROR != 0 {
-                    8
-                } else {
-                    4
-                };
-                return (status, p[skip..].to_vec());
-            }
-        }
-    }
-
-    /// A call whose reply is status 0 and `ret` 0.
-    fn ok(&mut self, op: u16, w: &Writer) -> Vec<u8> {
-        let (status, rest) = self.call(op, w);
-        let mut r = Reader::new(&rest);
-        assert_eq!((status, r.i32()), (0, Ok(0)), "op {op}");
-        rest[4..].to_vec()
-    }
-
-    /// Create something: its id.
-    fn create(&mut self, op: u16, w: &Writer) -> u64 {
-        let rest = self.ok(op, w);
-        Reader::new(&rest).u64().expect("id")
-    }
-
     fn buffer(&mut self, context: u64, fl: u64, data: &[u8]) -> u64 {
         let mut w = Writer::default();
         w.u64(context);

@@ -1,0 +1,204 @@
+//! What the server's process-level tests share: the server process (this test executable run
+//! again with only its entry test, so the server is always the code under test), its log, and
+//! a calls connection spoken by hand. Each test plays the router.
+
+#![allow(dead_code)] // each test file uses its own part
+
+use hira_transport::{Conn, FrameReader, ShmRegion};
+use hira_wire::{control, flags, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME};
+use std::io::BufRead;
+use std::os::fd::AsFd;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The body of a test file's entry test `entry`: when `env` is set this process is a server
+/// (`hira_server::main_from_env`, as `hira server` does) and never returns; otherwise nothing.
+pub fn server_entry(env: &str) {
+    if std::env::var_os(env).is_none() {
+        return;
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info,hira_server=debug"))
+        .try_init();
+    let code = match hira_server::main_from_env() {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("server failed: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+/// One API server process, our end of its control socket, and its log (stderr).
+pub struct Proc {
+    child: Child,
+    pub ctl: Conn,
+    pub log: Arc<Mutex<String>>,
+}
+
+impl Proc {
+    /// Starts this executable's test `entry` with `env` set, as a server on a new control
+    /// socket.
+    pub fn spawn(entry: &str, env: &str) -> Proc {
+        let (ours, theirs) = Conn::pair().expect("socketpair");
+        let fd = theirs.as_raw_fd();
+        let mut cmd = Command::new(std::env::current_exe().expect("test executable"));
+        cmd.args([entry, "--exact", "--nocapture", "--test-threads=1", "-q"])
+            .env(env, "1")
+            .env("HIRA_CONTROL_FD", fd.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        // SAFETY: runs in the forked child before exec and only calls the async-signal-safe
+        // fcntl on an fd the parent keeps open until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fl = libc::fcntl(fd, libc::F_GETFD);
+                if fl < 0 || libc::fcntl(fd, libc::F_SETFD, fl & !libc::FD_CLOEXEC) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().expect("server process");
+        drop(theirs);
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("[server] {line}");
+                let mut l = sink.lock().unwrap_or_else(|e| e.into_inner());
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        Proc {
+            child,
+            ctl: ours,
+            log,
+        }
+    }
+
+    /// A calls connection, as the router attaches it (1 MiB of shared memory).
+    pub fn attach(&self) -> Client {
+        let (ours, theirs) = Conn::pair().expect("socketpair");
+        let shm = ShmRegion::create("server-test", 1 << 20).expect("shm");
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        w.u64(1);
+        w.u32(control::ROLE_CALLS);
+        w.u64(shm.len() as u64);
+        let len = w.buf.len() - HEADER_LEN;
+        Header::new(Kind::Control, control::ATTACH, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
+        self.ctl
+            .send(&w.buf, &[theirs.as_fd(), shm.fd()])
+            .expect("attach");
+        let reader = FrameReader::new(ours.try_clone().expect("clone"));
+        Client {
+            conn: ours,
+            reader,
+            seq: 0,
+            _shm: shm,
+        }
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The log once `needle` is in it `times` times (stderr is read by another thread,
+    /// behind the replies), or after two seconds.
+    pub fn log_with(&self, needle: &str, times: usize) -> String {
+        let until = Instant::now() + Duration::from_secs(2);
+        loop {
+            let log = self.log();
+            if log.matches(needle).count() >= times || Instant::now() > until {
+                return log;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.ctl.shutdown();
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A calls connection spoken by hand.
+pub struct Client {
+    pub conn: Conn,
+    pub reader: FrameReader,
+    pub seq: u64,
+    _shm: ShmRegion,
+}
+
+pub fn out(len: u64) -> OutSpec {
+    OutSpec::Inline { len }
+}
+
+impl Client {
+    /// Sends a request with header flags `fl` (e.g. ASYNC), without waiting.
+    pub fn send(&mut self, op: u16, payload: &[u8], fl: u8) {
+        self.seq += 1;
+        let mut h = Header::new(Kind::Request, op, self.seq, payload.len());
+        h.flags = fl;
+        let mut buf = h.to_bytes().to_vec();
+        buf.extend_from_slice(payload);
+        self.conn.send(&buf, &[]).expect("send");
+    }
+
+    /// A synchronous call (asynchronous ones too: without the flag the server answers):
+    /// (status, rest of the reply).
+    pub fn call(&mut self, op: u16, w: &Writer) -> (i32, Vec<u8>) {
+        self.send(op, &w.buf, 0);
+        loop {
+            let f = self
+                .reader
+                .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
+                .expect("reply")
+                .expect("server closed the connection");
+            let h = Header::parse(f).expect("header");
+            if h.kind == Kind::Reply && h.seq == self.seq {
+                let p = &f[HEADER_LEN..];
+                let status = Reader::new(p).i32().expect("status");
+                let skip = if h.flags & flags::DEFERRED_ERROR != 0 {
+                    8
+                } else {
+                    4
+                };
+                return (status, p[skip..].to_vec());
+            }
+        }
+    }
+
+    /// A call whose reply is status 0 and `ret` 0: the reply after `ret`.
+    pub fn ok(&mut self, op: u16, w: &Writer) -> Vec<u8> {
+        let (status, rest) = self.call(op, w);
+        let mut r = Reader::new(&rest);
+        assert_eq!((status, r.i32()), (0, Ok(0)), "op {op}");
+        rest[4..].to_vec()
+    }
+
+    /// Creates something: its id.
+    pub fn create(&mut self, op: u16, w: &Writer) -> u64 {
+        let rest = self.ok(op, w);
+        Reader::new(&rest).u64().expect("id")
+    }
+}
