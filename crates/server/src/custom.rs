@@ -237,7 +237,7 @@ pub fn h_hiraEnqueueReadBufferStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result
         w.i32(ret);
         return Ok(w);
     }
-    let (retain, release) = (cx.api.clRetainEvent, cx.api.clReleaseEvent);
+    let retain = cx.api.clRetainEvent;
     if gated {
         if let Some(retain) = retain {
             // SAFETY: a live event; the completion callback releases this extra reference.
@@ -247,8 +247,25 @@ pub fn h_hiraEnqueueReadBufferStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result
             cx.track_event(ret, ev, false, true);
         }
     }
-    // The vendor's reference goes to the guest's event (event_id) or to the staging entry;
-    // with an event id the staging entry takes one more.
+    stage_read(cx, ev, event_id, staging, data)?;
+    let mut w = Writer::default();
+    w.i32(ret);
+    Ok(w)
+}
+
+/// Hands an enqueued read's `data` (which the vendor is writing) and its event `ev` to the
+/// staging entry `staging`, binding `ev` to the guest's `event_id` (0: none). The vendor's
+/// reference goes to the guest's event or to the staging entry; with an event id the
+/// staging entry takes one more. On failure the read is waited for before `data` goes, and
+/// the references this call owns are released.
+pub(crate) fn stage_read(
+    cx: &mut Ctx,
+    ev: *mut c_void,
+    event_id: u64,
+    staging: u64,
+    data: Vec<u8>,
+) -> Result<(), Fail> {
+    let (retain, release) = (cx.api.clRetainEvent, cx.api.clReleaseEvent);
     let bound = if event_id != 0 {
         if let Some(retain) = retain {
             // SAFETY: a live event; the staging entry holds this extra reference.
@@ -265,7 +282,7 @@ pub fn h_hiraEnqueueReadBufferStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result
     if let Err((e, unbound, data)) = staged {
         // The read is writing into `data`: it must finish before `data` goes.
         if let Some(wait) = cx.api.clWaitForEvents {
-            // SAFETY: ev is live (this handler still holds its references).
+            // SAFETY: ev is live (this function still holds its references).
             unsafe { wait(1, &ev) };
         }
         drop(data);
@@ -273,15 +290,13 @@ pub fn h_hiraEnqueueReadBufferStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result
             // The staging entry's reference, and the guest's if it was never bound.
             let n = if event_id != 0 && unbound { 2 } else { 1 };
             for _ in 0..n {
-                // SAFETY: references this handler owns (see above).
+                // SAFETY: references this function owns (see above).
                 unsafe { release(ev) };
             }
         }
         return Err(e);
     }
-    let mut w = Writer::default();
-    w.i32(ret);
-    Ok(w)
+    Ok(())
 }
 
 /// Copy a staged read out once its event completed; 1 while it is still running.

@@ -471,38 +471,7 @@ fn stage(
     if ret != CL_SUCCESS || ev.is_null() {
         return status(ret);
     }
-    let (retain, release) = (cx.api.clRetainEvent, cx.api.clReleaseEvent);
-    // The vendor's reference goes to the guest's event (event_id) or to the staging entry;
-    // with an event id the staging entry takes one more.
-    let bound = if event_id != 0 {
-        if let Some(retain) = retain {
-            // SAFETY: a live event; the staging entry holds this extra reference.
-            unsafe { retain(ev) };
-        }
-        cx.bind(event_id, ev, K_EVENT).map_err(|e| (e, true))
-    } else {
-        Ok(())
-    };
-    let staged = match bound {
-        Ok(()) => cx.stage(staging, data, ev).map_err(|(e, d)| (e, false, d)),
-        Err((e, unbound)) => Err((e, unbound, data)),
-    };
-    if let Err((e, unbound, data)) = staged {
-        // The copy is writing into `data`: it must finish before `data` goes.
-        if let Some(wait) = cx.api.clWaitForEvents {
-            // SAFETY: ev is live (this handler still holds its references).
-            unsafe { wait(1, &ev) };
-        }
-        drop(data);
-        if let Some(release) = release {
-            let n = if event_id != 0 && unbound { 2 } else { 1 };
-            for _ in 0..n {
-                // SAFETY: references this handler owns (see above).
-                unsafe { release(ev) };
-            }
-        }
-        return Err(e);
-    }
+    crate::custom::stage_read(cx, ev, event_id, staging, data)?;
     status(ret)
 }
 
