@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{out, Client, Proc};
+use common::{out, Cl, Client, Proc};
 use hira_opencl::*;
 use hira_transport::FrameReader;
 use hira_wire::{Blob, Header, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME};
@@ -264,58 +264,15 @@ struct Tenant {
 fn tenant() -> Tenant {
     let server = Server::spawn();
     let mut c = server.attach();
-    let mut w = Writer::default();
-    w.u64(1);
-    w.out_spec(out(8));
-    w.out_spec(out(4));
-    let rest = c.ok(OP_CLGETPLATFORMIDS, &w);
-    let platform = u64::from_le_bytes(
-        Reader::new(&rest)
-            .bytes()
-            .expect("platform")
-            .try_into()
-            .expect("8 bytes"),
+    let Cl {
+        device,
+        context,
+        queue,
+        kernel,
+    } = c.open(
+        "__kernel void inc(__global uint *a) { a[get_global_id(0)] += 1; }",
+        "inc",
     );
-    let mut w = Writer::default();
-    w.u64(platform);
-    w.u64(0xFFFF_FFFF);
-    w.u64(1);
-    w.out_spec(out(8));
-    w.out_spec(out(4));
-    let rest = c.ok(OP_CLGETDEVICEIDS, &w);
-    let device_b = Reader::new(&rest).bytes().expect("device").to_vec();
-    let device = u64::from_le_bytes(device_b.as_slice().try_into().expect("8 bytes"));
-    let mut w = Writer::default();
-    w.blob(Blob::Null);
-    w.u64(1);
-    w.blob(Blob::Inline(&device_b));
-    w.u64(0);
-    let context = c.create(OP_CLCREATECONTEXT, &w);
-    let mut w = Writer::default();
-    w.u64(context);
-    w.u64(device);
-    w.u64(0);
-    let queue = c.create(OP_CLCREATECOMMANDQUEUE, &w);
-    let mut w = Writer::default();
-    w.u64(context);
-    w.u64(1);
-    w.u64(1);
-    w.blob(Blob::Inline(
-        b"__kernel void inc(__global uint *a) { a[get_global_id(0)] += 1; }",
-    ));
-    w.blob(Blob::Null);
-    let prog = c.create(OP_CLCREATEPROGRAMWITHSOURCE, &w);
-    let mut w = Writer::default();
-    w.u64(prog);
-    w.u64(0);
-    w.blob(Blob::Null);
-    w.blob(Blob::Null);
-    w.u64(0);
-    c.ok(OP_CLBUILDPROGRAM, &w);
-    let mut w = Writer::default();
-    w.u64(prog);
-    w.blob(Blob::Inline(b"inc"));
-    let kernel = c.create(OP_CLCREATEKERNEL, &w);
     Tenant {
         server,
         c,

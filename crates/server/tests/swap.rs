@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{out, Client, Proc};
+use common::{out, Cl, Client, Proc};
 use hira_opencl::*;
 use hira_transport::FrameReader;
 use hira_wire::{control, flags, Blob, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
@@ -320,13 +320,6 @@ impl Client {
     }
 }
 
-/// Context, queue and the `inc` kernel on the first device.
-struct Cl {
-    context: u64,
-    queue: u64,
-    kernel: u64,
-}
-
 const SRC: &str = "__kernel void inc(__global uint *a, __global uint *b, uint na, uint nb) {
     size_t i = get_global_id(0);
     if (i < na) a[i] += 1;
@@ -334,62 +327,7 @@ const SRC: &str = "__kernel void inc(__global uint *a, __global uint *b, uint na
 }";
 
 fn setup(c: &mut Client) -> Cl {
-    let mut w = Writer::default();
-    w.u64(1);
-    w.out_spec(out(8));
-    w.out_spec(out(4));
-    let rest = c.ok(OP_CLGETPLATFORMIDS, &w);
-    let platform = u64::from_le_bytes(
-        Reader::new(&rest)
-            .bytes()
-            .expect("platform")
-            .try_into()
-            .expect("8 bytes"),
-    );
-    let mut w = Writer::default();
-    w.u64(platform);
-    w.u64(0xFFFF_FFFF);
-    w.u64(1);
-    w.out_spec(out(8));
-    w.out_spec(out(4));
-    let rest = c.ok(OP_CLGETDEVICEIDS, &w);
-    let device = Reader::new(&rest).bytes().expect("device").to_vec();
-    let mut w = Writer::default();
-    w.blob(Blob::Null);
-    w.u64(1);
-    w.blob(Blob::Inline(&device));
-    w.u64(0);
-    let context = c.create(OP_CLCREATECONTEXT, &w);
-    let mut w = Writer::default();
-    w.u64(context);
-    w.u64(u64::from_le_bytes(
-        device.as_slice().try_into().expect("8 bytes"),
-    ));
-    w.u64(0);
-    let queue = c.create(OP_CLCREATECOMMANDQUEUE, &w);
-    let mut w = Writer::default();
-    w.u64(context);
-    w.u64(1);
-    w.u64(1);
-    w.blob(Blob::Inline(SRC.as_bytes()));
-    w.blob(Blob::Null);
-    let prog = c.create(OP_CLCREATEPROGRAMWITHSOURCE, &w);
-    let mut w = Writer::default();
-    w.u64(prog);
-    w.u64(0);
-    w.blob(Blob::Null);
-    w.blob(Blob::Null);
-    w.u64(0);
-    c.ok(OP_CLBUILDPROGRAM, &w);
-    let mut w = Writer::default();
-    w.u64(prog);
-    w.blob(Blob::Inline(b"inc"));
-    let kernel = c.create(OP_CLCREATEKERNEL, &w);
-    Cl {
-        context,
-        queue,
-        kernel,
-    }
+    c.open(SRC, "inc")
 }
 
 fn pattern(n: usize, seed: u32) -> Vec<u8> {

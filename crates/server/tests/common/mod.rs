@@ -5,7 +5,9 @@
 #![allow(dead_code)] // each test file uses its own part
 
 use hira_transport::{Conn, FrameReader, ShmRegion};
-use hira_wire::{control, flags, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME};
+use hira_wire::{
+    control, flags, Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME,
+};
 use std::io::BufRead;
 use std::os::fd::AsFd;
 use std::os::unix::process::CommandExt;
@@ -200,5 +202,76 @@ impl Client {
     pub fn create(&mut self, op: u16, w: &Writer) -> u64 {
         let rest = self.ok(op, w);
         Reader::new(&rest).u64().expect("id")
+    }
+}
+
+/// A device's context and queue, and one kernel built on it.
+pub struct Cl {
+    pub device: u64,
+    pub context: u64,
+    pub queue: u64,
+    pub kernel: u64,
+}
+
+impl Client {
+    /// The first device of the first platform, a context and queue on it, and kernel `name`
+    /// built from `src`.
+    pub fn open(&mut self, src: &str, name: &str) -> Cl {
+        let mut w = Writer::default();
+        w.u64(1);
+        w.out_spec(out(8));
+        w.out_spec(out(4));
+        let rest = self.ok(hira_opencl::OP_CLGETPLATFORMIDS, &w);
+        let platform = u64::from_le_bytes(
+            Reader::new(&rest)
+                .bytes()
+                .expect("platform")
+                .try_into()
+                .expect("8 bytes"),
+        );
+        let mut w = Writer::default();
+        w.u64(platform);
+        w.u64(0xFFFF_FFFF);
+        w.u64(1);
+        w.out_spec(out(8));
+        w.out_spec(out(4));
+        let rest = self.ok(hira_opencl::OP_CLGETDEVICEIDS, &w);
+        let device_b = Reader::new(&rest).bytes().expect("device").to_vec();
+        let device = u64::from_le_bytes(device_b.as_slice().try_into().expect("8 bytes"));
+        let mut w = Writer::default();
+        w.blob(Blob::Null);
+        w.u64(1);
+        w.blob(Blob::Inline(&device_b));
+        w.u64(0);
+        let context = self.create(hira_opencl::OP_CLCREATECONTEXT, &w);
+        let mut w = Writer::default();
+        w.u64(context);
+        w.u64(device);
+        w.u64(0);
+        let queue = self.create(hira_opencl::OP_CLCREATECOMMANDQUEUE, &w);
+        let mut w = Writer::default();
+        w.u64(context);
+        w.u64(1);
+        w.u64(1);
+        w.blob(Blob::Inline(src.as_bytes()));
+        w.blob(Blob::Null);
+        let prog = self.create(hira_opencl::OP_CLCREATEPROGRAMWITHSOURCE, &w);
+        let mut w = Writer::default();
+        w.u64(prog);
+        w.u64(0);
+        w.blob(Blob::Null);
+        w.blob(Blob::Null);
+        w.u64(0);
+        self.ok(hira_opencl::OP_CLBUILDPROGRAM, &w);
+        let mut w = Writer::default();
+        w.u64(prog);
+        w.blob(Blob::Inline(name.as_bytes()));
+        let kernel = self.create(hira_opencl::OP_CLCREATEKERNEL, &w);
+        Cl {
+            device,
+            context,
+            queue,
+            kernel,
+        }
     }
 }
