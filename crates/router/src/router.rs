@@ -1119,8 +1119,7 @@ impl Tenant {
             return;
         }
         let frame = control_frame(control::SET_QUOTA, 0, &visible.unwrap_or(0).to_le_bytes());
-        let _guard = lock(&self.control_tx);
-        if let Err(e) = self.control.send(&frame, &[]) {
+        if let Err(e) = self.send_control(&frame) {
             debug!(tenant = self.m.id, error = %e, "cannot send SET_QUOTA");
         }
     }
