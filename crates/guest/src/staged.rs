@@ -15,6 +15,9 @@ struct Pending {
     size: usize,
     /// The destination was freed (an SVM mirror): fetch into scratch memory instead.
     discard: bool,
+    /// The thread whose connection carried the staging request (asynchronous, so a fetch on
+    /// another thread's connection can reach the server before it).
+    origin: std::thread::ThreadId,
 }
 
 fn pending() -> std::sync::MutexGuard<'static, Vec<Pending>> {
@@ -79,6 +82,7 @@ pub(crate) fn push(staging: u64, dst: usize, size: usize) {
         dst,
         size,
         discard: false,
+        origin: std::thread::current().id(),
     });
     ANY.fetch_add(1, Ordering::Relaxed);
 }
@@ -129,6 +133,12 @@ pub fn drain() {
         // SAFETY: dst has size writable bytes (the application's read destination, or scratch).
         let r = unsafe { crate::hiraFetchStaged(p.staging, p.size, dst) };
         if r == 1 {
+            return true;
+        }
+        if r == hira_opencl::cl::CL_INVALID_VALUE && std::thread::current().id() != p.origin {
+            // Not staged yet as far as this connection can tell: the request is still on
+            // its way on the origin's connection. Only the origin, whose connection is
+            // ordered after the request, may conclude that staging failed.
             return true;
         }
         ANY.fetch_sub(1, Ordering::Relaxed);
