@@ -704,21 +704,28 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
                         p2,
                         "    let mut {n}_dt: *mut c_void = std::ptr::null_mut();"
                     );
+                    let device_time = if f.device_time {
+                        "true"
+                    } else if f.resident {
+                        // Completions of buffer commands matter only while the router
+                        // schedules them (over-subscription).
+                        "cx.gated()"
+                    } else {
+                        "false"
+                    };
+                    // The server asks for an event of its own only when it has a use for
+                    // one (device time, or staged inputs to free on completion): a
+                    // completion callback costs the vendor a thread wake-up per command.
+                    let _ = writeln!(
+                        p2,
+                        "    let {n}_want = {n}_id == 0 && cx.wants_event({device_time});"
+                    );
                     args.push(format!(
-                        "if {n}_id != 0 {{ &mut {n}_new }} else {{ &mut {n}_dt }}"
+                        "if {n}_id != 0 {{ &mut {n}_new }} else if {n}_want {{ &mut {n}_dt }} else {{ std::ptr::null_mut() }}"
                     ));
                     let _ = writeln!(
                         post,
-                        "    cx.track_event(ret, if {n}_id != 0 {{ {n}_new }} else {{ {n}_dt }}, {n}_id == 0, {});",
-                        if f.device_time {
-                            "true"
-                        } else if f.resident {
-                            // Completions of buffer commands matter only while the router
-                            // schedules them (over-subscription).
-                            "cx.gated()"
-                        } else {
-                            "false"
-                        }
+                        "    cx.track_event(ret, if {n}_id != 0 {{ {n}_new }} else {{ {n}_dt }}, {n}_id == 0, {device_time});"
                     );
                 } else {
                     args.push(format!(

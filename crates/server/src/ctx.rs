@@ -875,6 +875,12 @@ impl Ctx {
         })
     }
 
+    /// Whether an enqueue the guest asked no event of needs one for the server itself: to
+    /// charge device time, or to free the inputs staged for it when it completes.
+    pub fn wants_event(&self, device_time: bool) -> bool {
+        device_time || !self.staged.is_empty()
+    }
+
     /// After an enqueue: charge its device time (kernels) and keep staged inputs alive until
     /// its event completes; release the event if the server made it for itself.
     pub(crate) fn track_event(&mut self, ret: i32, ev: *mut c_void, ours: bool, device_time: bool) {
