@@ -225,6 +225,11 @@ pub struct Summary {
     pub util: f64,
     /// Work done per second, short kernels = 1, long = 5.
     pub work_per_s: f64,
+    /// Normalized progress (system throughput, STP): the sum over tenants of its kernels per
+    /// second divided by its kind's kernels per second when alone on the device. Unlike
+    /// `work_per_s` it does not reward handing the device to the kind of kernel that does
+    /// more iterations per device second, so its ratio to FIFO's is what the scheduler costs.
+    pub progress: f64,
     /// The short-kernel group's share of device time over the whole run (fair: 50 %).
     pub short_share: f64,
     /// Device switches between tenants per second.
@@ -403,7 +408,14 @@ fn max(v: &[f64]) -> f64 {
     v.iter().copied().fold(f64::NAN, f64::max)
 }
 
-fn summarize(run: &Run) -> Summary {
+/// Kernels per second of a short and of a long tenant alone on the device, natively.
+#[derive(Clone, Copy, Debug)]
+pub struct Solo {
+    pub short: f64,
+    pub long: f64,
+}
+
+fn summarize(run: &Run, solo: Solo) -> Summary {
     let u500 = unfairness(run, 0.5);
     let u1 = unfairness(run, 1.0);
     let mut sum = Summary {
@@ -414,6 +426,7 @@ fn summarize(run: &Run) -> Summary {
         max1s: max(&u1),
         util: f64::NAN,
         work_per_s: f64::NAN,
+        progress: f64::NAN,
         short_share: f64::NAN,
         switches_per_s: f64::NAN,
         kernel_load: f64::NAN,
@@ -427,14 +440,18 @@ fn summarize(run: &Run) -> Summary {
     }
     let delta = |x: &u64, y: &u64| x.saturating_sub(*y) as f64;
     let mut work = 0.0;
+    let mut progress = 0.0;
     let mut ns = [0.0; 2];
     for (i, long) in run.long.iter().enumerate() {
         let f = if *long { LONG_FACTOR } else { 1 };
-        work += delta(&b.2[i], &a.2[i]) * f64::from(f);
+        let kernels = delta(&b.2[i], &a.2[i]);
+        work += kernels * f64::from(f);
+        progress += kernels / dt / if *long { solo.long } else { solo.short };
         ns[usize::from(*long)] += delta(&b.1[i], &a.1[i]);
     }
     sum.util = delta(&b.3, &a.3) / 1e9 / dt;
     sum.work_per_s = work / dt;
+    sum.progress = progress;
     sum.short_share = ns[0] / (ns[0] + ns[1]).max(1.0);
     sum.switches_per_s = delta(&b.4, &a.4) / dt;
     sum.kernel_load = (ns[0] + ns[1]) / 1e9 / dt;
@@ -442,13 +459,20 @@ fn summarize(run: &Run) -> Summary {
 }
 
 /// The fairness table (percentages), throughput relative to the `fifo` row.
+/// FIFO's rows (more than one when FIFO ran before and after the others, to cancel drift)
+/// are averaged into the baseline.
 pub fn table(rows: &[Summary], tenants: usize) -> String {
-    let fifo = rows
-        .iter()
-        .find(|r| r.policy == "fifo")
-        .map(|r| r.work_per_s);
+    let fifo: Vec<&Summary> = rows.iter().filter(|r| r.policy == "fifo").collect();
+    let mean = |f: fn(&Summary) -> f64| -> Option<f64> {
+        (!fifo.is_empty()).then(|| fifo.iter().map(|r| f(r)).sum::<f64>() / fifo.len() as f64)
+    };
+    let base_progress = mean(|r| r.progress);
+    let base_work = mean(|r| r.work_per_s);
+    let rel = |v: f64, base: Option<f64>| {
+        base.map_or("-".to_string(), |b| format!("{:.1}%", 100.0 * v / b))
+    };
     let mut s = format!(
-        "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>10} {:>7} {:>7} {:>9}\n",
+        "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>7} {:>7} {:>9}\n",
         "policy",
         "tenants",
         "med 0.5s",
@@ -457,18 +481,16 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
         "max 1s",
         "util",
         "thr/FIFO",
+        "iter/FIFO",
         "work/s",
         "kernels",
         "short",
         "switch/s"
     );
     for r in rows {
-        let rel = fifo.map_or("-".to_string(), |f| {
-            format!("{:.1}%", 100.0 * r.work_per_s / f)
-        });
         let _ = writeln!(
             s,
-            "{:<10} {:>7} {:>8.1}% {:>8.1}% {:>8.1}% {:>8.1}% {:>6.0}% {:>9} {:>10.0} {:>6.0}% {:>6.1}% {:>9.0}",
+            "{:<10} {:>7} {:>8.1}% {:>8.1}% {:>8.1}% {:>8.1}% {:>6.0}% {:>9} {:>9} {:>10.0} {:>6.0}% {:>6.1}% {:>9.0}",
             r.policy,
             tenants,
             100.0 * r.med500,
@@ -476,7 +498,8 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
             100.0 * r.med1s,
             100.0 * r.max1s,
             100.0 * r.util,
-            rel,
+            rel(r.progress, base_progress),
+            rel(r.work_per_s, base_work),
             r.work_per_s,
             100.0 * r.kernel_load,
             100.0 * r.short_share,
@@ -484,6 +507,28 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
         );
     }
     s
+}
+
+/// Kernels per second of one short and one long tenant, each alone and native, for
+/// `seconds` each.
+fn solo(o: &FairOpts, short: u32, seconds: f64) -> Result<Solo> {
+    let rate = |iters: u32| -> Result<f64> {
+        Ok(count(spawn_tenant(o, None, iters, seconds)?)? / seconds)
+    };
+    Ok(Solo {
+        short: rate(short)?,
+        long: rate(short * LONG_FACTOR)?,
+    })
+}
+
+/// The kernels a tenant process reports.
+fn count(child: Child) -> Result<f64> {
+    let out = child.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .nth(1)
+        .and_then(|x| x.parse().ok())
+        .with_context(|| format!("tenant printed {text:?}"))
 }
 
 /// Runs the benchmark and returns its report.
@@ -503,9 +548,20 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
     if let Some(w) = &o.weights {
         return weighted(o, short, w, report);
     }
+    let solo = solo(o, short, 2.0)?;
+    let _ = writeln!(
+        report,
+        "alone, native: short {:.0} kernels/s, long {:.0} kernels/s (thr/FIFO compares normalized \
+         progress, the sum of each tenant's rate over its rate alone; iter/FIFO compares \
+         iterations, long = 5)",
+        solo.short, solo.long
+    );
     let mut policies = o.policies.clone();
     if !policies.iter().any(|p| p == "fifo") {
+        // FIFO before and after: the baseline is their mean, so a machine that drifts during
+        // the runs does not favour whichever policy ran nearer the baseline.
         policies.insert(0, "fifo".into());
+        policies.push("fifo".into());
     }
     let mut rows = Vec::new();
     for p in &policies {
@@ -524,7 +580,7 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
             share_png(&run, &title, &path)?;
             eprintln!("wrote {}", path.display());
         }
-        rows.push(summarize(&run));
+        rows.push(summarize(&run, solo));
     }
     report += &table(&rows, o.tenants);
     if let [only] = o.policies.as_slice() {
@@ -535,28 +591,39 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
     Ok(report)
 }
 
-/// A lone tenant under hira against the same tenant natively.
+/// A lone tenant natively, under hira with FIFO, and under hira with the policy, in
+/// alternating rounds (a machine whose speed drifts affects all three alike). Reported
+/// against native (remoting and scheduling together) and against hira's FIFO (what the
+/// policy itself costs a tenant that is alone: it should be work-conserving).
 fn lone(o: &FairOpts, short: u32, mut report: String) -> Result<String> {
-    let count = |child: Child| -> Result<f64> {
-        let out = child.wait_with_output()?;
-        let text = String::from_utf8_lossy(&out.stdout);
-        let n: f64 = text
-            .split_whitespace()
-            .nth(1)
-            .and_then(|x| x.parse().ok())
-            .with_context(|| format!("tenant printed {text:?}"))?;
-        Ok(n / o.seconds)
-    };
-    let native = count(spawn_tenant(o, None, short, o.seconds)?)?;
+    const ROUNDS: u32 = 3;
     let policy = o.policies.first().map_or("fifo", String::as_str);
-    let handle = router(o, policy, "lone")?;
-    let hira = count(spawn_tenant(o, Some(handle.socket()), short, o.seconds)?)?;
-    handle.stop();
-    let _ = handle.wait();
+    let each = o.seconds / f64::from(ROUNDS);
+    let fifo_router = router(o, "fifo", "lone-fifo")?;
+    let policy_router = router(o, policy, "lone")?;
+    let sockets = [None, Some(fifo_router.socket()), Some(policy_router.socket())];
+    let mut kernels = [0.0; 3];
+    for round in 0..ROUNDS {
+        eprintln!("lone tenant, round {} of {ROUNDS} ...", round + 1);
+        // The order rotates each round, so none of the three always runs first.
+        for k in 0..3 {
+            let which = (k + round as usize) % 3;
+            kernels[which] += count(spawn_tenant(o, sockets[which], short, each)?)?;
+        }
+    }
+    let [native, fifo, hira] = kernels;
+    for h in [fifo_router, policy_router] {
+        h.stop();
+        let _ = h.wait();
+    }
+    let secs = each * f64::from(ROUNDS);
+    let (native, fifo, hira) = (native / secs, fifo / secs, hira / secs);
     let _ = writeln!(
         report,
-        "lone tenant ({policy}): native {native:.0} kernels/s, hira {hira:.0} kernels/s, {:.1}% of unshared",
-        100.0 * hira / native
+        "lone tenant ({policy}): native {native:.0} kernels/s, hira fifo {fifo:.0}, hira {policy} \
+         {hira:.0}; {:.1}% of native, {:.1}% of hira fifo",
+        100.0 * hira / native,
+        100.0 * hira / fifo
     );
     Ok(report)
 }
