@@ -237,6 +237,8 @@ pub struct Summary {
     /// Device time reported by DONE frames per second of wall time, all tenants: about 1
     /// when the device is exclusive and never idle, above 1 when kernels overlap.
     pub kernel_load: f64,
+    /// Average device time of one short and of one long kernel, ms.
+    pub kernel_ms: [f64; 2],
 }
 
 fn spawn_tenant(o: &FairOpts, socket: Option<&Path>, iters: u32, seconds: f64) -> Result<Child> {
@@ -430,6 +432,7 @@ fn summarize(run: &Run, solo: Solo) -> Summary {
         short_share: f64::NAN,
         switches_per_s: f64::NAN,
         kernel_load: f64::NAN,
+        kernel_ms: [f64::NAN; 2],
     };
     let (Some(a), Some(b)) = (run.samples.first(), run.samples.last()) else {
         return sum;
@@ -442,9 +445,11 @@ fn summarize(run: &Run, solo: Solo) -> Summary {
     let mut work = 0.0;
     let mut progress = 0.0;
     let mut ns = [0.0; 2];
+    let mut count = [0.0; 2];
     for (i, long) in run.long.iter().enumerate() {
         let f = if *long { LONG_FACTOR } else { 1 };
         let kernels = delta(&b.2[i], &a.2[i]);
+        count[usize::from(*long)] += kernels;
         work += kernels * f64::from(f);
         progress += kernels / dt / if *long { solo.long } else { solo.short };
         ns[usize::from(*long)] += delta(&b.1[i], &a.1[i]);
@@ -455,6 +460,7 @@ fn summarize(run: &Run, solo: Solo) -> Summary {
     sum.short_share = ns[0] / (ns[0] + ns[1]).max(1.0);
     sum.switches_per_s = delta(&b.4, &a.4) / dt;
     sum.kernel_load = (ns[0] + ns[1]) / 1e9 / dt;
+    sum.kernel_ms = [0, 1].map(|g| ns[g] / 1e6 / count[g]);
     sum
 }
 
@@ -472,7 +478,7 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
         base.map_or("-".to_string(), |b| format!("{:.1}%", 100.0 * v / b))
     };
     let mut s = format!(
-        "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>7} {:>7} {:>9}\n",
+        "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>7} {:>7} {:>9} {:>13}\n",
         "policy",
         "tenants",
         "med 0.5s",
@@ -485,12 +491,13 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
         "work/s",
         "kernels",
         "short",
-        "switch/s"
+        "switch/s",
+        "ms/kernel s/l"
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "{:<10} {:>7} {:>8.1}% {:>8.1}% {:>8.1}% {:>8.1}% {:>6.0}% {:>9} {:>9} {:>10.0} {:>6.0}% {:>6.1}% {:>9.0}",
+            "{:<10} {:>7} {:>8.1}% {:>8.1}% {:>8.1}% {:>8.1}% {:>6.0}% {:>9} {:>9} {:>10.0} {:>6.0}% {:>6.1}% {:>9.0} {:>6.2}/{:<6.2}",
             r.policy,
             tenants,
             100.0 * r.med500,
@@ -503,7 +510,9 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
             r.work_per_s,
             100.0 * r.kernel_load,
             100.0 * r.short_share,
-            r.switches_per_s
+            r.switches_per_s,
+            r.kernel_ms[0],
+            r.kernel_ms[1]
         );
     }
     s
@@ -556,13 +565,13 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
          iterations, long = 5)",
         solo.short, solo.long
     );
-    let mut policies = o.policies.clone();
-    if !policies.iter().any(|p| p == "fifo") {
-        // FIFO before and after: the baseline is their mean, so a machine that drifts during
-        // the runs does not favour whichever policy ran nearer the baseline.
-        policies.insert(0, "fifo".into());
+    // FIFO first and, when anything else runs, last too: the baseline is the mean of the two,
+    // so a machine that drifts during the runs does not favour whichever policy ran nearer it.
+    let mut policies: Vec<String> = o.policies.iter().filter(|p| *p != "fifo").cloned().collect();
+    if !policies.is_empty() {
         policies.push("fifo".into());
     }
+    policies.insert(0, "fifo".into());
     let mut rows = Vec::new();
     for p in &policies {
         eprintln!(
