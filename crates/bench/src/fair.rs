@@ -567,7 +567,12 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
     );
     // FIFO first and, when anything else runs, last too: the baseline is the mean of the two,
     // so a machine that drifts during the runs does not favour whichever policy ran nearer it.
-    let mut policies: Vec<String> = o.policies.iter().filter(|p| *p != "fifo").cloned().collect();
+    let mut policies: Vec<String> = o
+        .policies
+        .iter()
+        .filter(|p| *p != "fifo")
+        .cloned()
+        .collect();
     if !policies.is_empty() {
         policies.push("fifo".into());
     }
@@ -610,7 +615,11 @@ fn lone(o: &FairOpts, short: u32, mut report: String) -> Result<String> {
     let each = o.seconds / f64::from(ROUNDS);
     let fifo_router = router(o, "fifo", "lone-fifo")?;
     let policy_router = router(o, policy, "lone")?;
-    let sockets = [None, Some(fifo_router.socket()), Some(policy_router.socket())];
+    let sockets = [
+        None,
+        Some(fifo_router.socket()),
+        Some(policy_router.socket()),
+    ];
     let mut kernels = [0.0; 3];
     for round in 0..ROUNDS {
         eprintln!("lone tenant, round {} of {ROUNDS} ...", round + 1);

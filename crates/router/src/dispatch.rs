@@ -26,7 +26,7 @@
 //! drive it with a fake clock and fake completions.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use hira_policy::sched::{
@@ -101,10 +101,13 @@ pub struct DeviceStats {
     pub anticipated: u64,
 }
 
-/// One device's dispatcher.
+/// One device's dispatcher. Each tenant's waiting threads sleep on the tenant's own condition
+/// variable and are woken only when something changes for that tenant (a grant, a stop, its
+/// removal) or when the earliest timed decision moves earlier: with every waiter on one
+/// shared variable, every completion woke all of them, and on a CPU device those wake-ups
+/// are taken from the kernels.
 pub struct Dispatcher {
     st: Mutex<State>,
-    cv: Condvar,
     epoch: Instant,
 }
 
@@ -124,7 +127,6 @@ impl Dispatcher {
     pub fn new(policy: PolicyKind, cfg: &SchedConfig, max_inflight: u32) -> Dispatcher {
         Dispatcher {
             st: Mutex::new(State::new(policy, cfg, max_inflight)),
-            cv: Condvar::new(),
             epoch: Instant::now(),
         }
     }
@@ -133,12 +135,10 @@ impl Dispatcher {
         self.epoch.elapsed().as_nanos() as Nanos
     }
 
-    /// Runs `f` on the state at the current time, then wakes every waiting thread.
+    /// Runs `f` on the state at the current time (the state wakes whom it concerns).
     fn change<R>(&self, f: impl FnOnce(&mut State, Nanos) -> R) -> R {
         let now = self.now();
-        let r = f(&mut lock(&self.st), now);
-        self.cv.notify_all();
-        r
+        f(&mut lock(&self.st), now)
     }
 
     /// Admits tenant `t` (again: replaces its settings).
@@ -172,9 +172,7 @@ impl Dispatcher {
         if let Some(answer) = st.enter(t, start) {
             return Ok(answer);
         }
-        if st.pump(start) {
-            self.cv.notify_all();
-        }
+        st.pump(start);
         match st.take(t, start, start) {
             Some(answer) => Ok(answer),
             None => Err(Ticket { t, start }),
@@ -187,18 +185,18 @@ impl Dispatcher {
         let mut st = lock(&self.st);
         loop {
             let now = self.now();
-            if st.pump(now) {
-                self.cv.notify_all();
-            }
+            st.pump(now);
             if let Some(answer) = st.take(t, start, now) {
                 return answer;
             }
+            let Some(cv) = st.tenants.get(&t).map(|s| Arc::clone(&s.cv)) else {
+                return false;
+            };
             let sleep = st
                 .next_wake
                 .map_or(MAX_SLEEP, |u| Duration::from_nanos(u.saturating_sub(now)))
                 .clamp(Duration::from_micros(50), MAX_SLEEP);
-            st = self
-                .cv
+            st = cv
                 .wait_timeout(st, sleep)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
@@ -314,6 +312,8 @@ struct Slot {
     kernel_ns: u64,
     queue_wait_ns: u64,
     stopped: Option<String>,
+    /// The tenant's waiting threads sleep here.
+    cv: Arc<Condvar>,
 }
 
 impl Slot {
@@ -363,6 +363,7 @@ impl State {
                     kernel_ns: 0,
                     queue_wait_ns: 0,
                     stopped: None,
+                    cv: Arc::new(Condvar::new()),
                 };
                 self.tenants.insert(t, slot);
             }
@@ -372,6 +373,7 @@ impl State {
     fn remove(&mut self, t: TenantId, now: Nanos) -> Option<SchedView> {
         let view = self.view(t);
         let slot = self.tenants.remove(&t)?;
+        slot.cv.notify_all();
         self.sched.remove_tenant(t, now);
         if self.next.is_some_and(|(n, _)| n == t) {
             self.next = None;
@@ -510,6 +512,7 @@ impl State {
         self.policy = policy;
         self.next = None;
         self.pump(now);
+        self.tenants.values().for_each(|s| s.cv.notify_all());
     }
 
     fn take_runaway(&mut self, why: &str, now: Nanos) -> Option<(TenantId, Duration)> {
@@ -528,6 +531,7 @@ impl State {
         for (&u, s) in self.tenants.iter_mut() {
             if u == t {
                 s.stopped = Some(why.to_string());
+                s.cv.notify_all();
             } else {
                 s.last_done = s.last_done.max(now);
             }
@@ -600,6 +604,7 @@ impl State {
         };
         slot.granted += 1;
         slot.dispatched.push_back(now);
+        slot.cv.notify_all();
         self.owner = Some(t);
         self.inflight += 1;
         self.dispatched += 1;
@@ -630,8 +635,18 @@ impl State {
 
     /// Hands free slots out as the scheduler picks; true if any was granted.
     fn pump(&mut self, now: Nanos) -> bool {
+        let before = self.next_wake.take();
+        let any = self.pump_inner(now);
+        // Waiters sleep until the earliest timed decision; one that moved earlier needs
+        // someone awake to act on it.
+        if self.next_wake.is_some_and(|w| before.is_none_or(|b| w < b)) {
+            self.tenants.values().for_each(|s| s.cv.notify_all());
+        }
+        any
+    }
+
+    fn pump_inner(&mut self, now: Nanos) -> bool {
         let mut any = false;
-        self.next_wake = None;
         loop {
             if self.inflight == 0 {
                 // The owner has drained: the device switches, waits for the owner's next
