@@ -192,6 +192,9 @@ pub struct FairOpts {
     pub live: bool,
     /// Launches each tenant keeps outstanding.
     pub depth: usize,
+    /// Times FIFO and the policies run, alternating (the machine's speed drifts by 10% and
+    /// more within a minute; alternation spreads the drift over every policy alike).
+    pub rounds: usize,
     /// The `hira` executable (API servers and tenants).
     pub exe: PathBuf,
     /// The guest ICD.
@@ -577,32 +580,90 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
         policies.push("fifo".into());
     }
     policies.insert(0, "fifo".into());
-    let mut rows = Vec::new();
-    for p in &policies {
-        eprintln!(
-            "running {p} with {} tenants for {} s ...",
-            o.tenants, o.seconds
-        );
-        let run = run_policy(o, p, short, &vec![1; o.tenants])?;
-        if let Some(dir) = &o.png {
-            std::fs::create_dir_all(dir)?;
-            let path = dir.join(format!("fairness-{p}-{}.png", o.tenants));
-            let title = format!(
-                "{p}: {} tenants, short (1 ms) and long (5 ms) kernels",
-                o.tenants
-            );
-            share_png(&run, &title, &path)?;
-            eprintln!("wrote {}", path.display());
+    if o.rounds > 1 {
+        // Every round runs FIFO then each policy once (the last FIFO of the list is dropped:
+        // the next round's first one follows it).
+        policies.dedup();
+        if policies.len() > 1 && policies.last().is_some_and(|p| p == "fifo") {
+            policies.pop();
         }
-        rows.push(summarize(&run, solo));
+    }
+    let mut rows: Vec<Summary> = Vec::new();
+    let mut pooled: Vec<Vec<Summary>> = vec![Vec::new(); policies.len()];
+    for round in 0..o.rounds {
+        for (k, p) in policies.iter().enumerate() {
+            eprintln!(
+                "running {p} with {} tenants for {} s (round {} of {}) ...",
+                o.tenants,
+                o.seconds,
+                round + 1,
+                o.rounds
+            );
+            let run = run_policy(o, p, short, &vec![1; o.tenants])?;
+            if round == 0 {
+                draw(o, p, &run)?;
+            }
+            if o.rounds > 1 {
+                pooled[k].push(summarize(&run, solo));
+            } else {
+                rows.push(summarize(&run, solo));
+            }
+        }
+    }
+    if o.rounds > 1 {
+        rows = pooled.iter().map(|runs| pool(runs)).collect();
     }
     report += &table(&rows, o.tenants);
+    if o.rounds > 1 {
+        let _ = writeln!(
+            report,
+            "({} rounds of FIFO and each policy in turn; medians are the median of the \
+             rounds' medians, maxima the largest, rates the mean)",
+            o.rounds
+        );
+    }
     if let [only] = o.policies.as_slice() {
         if let Some(r) = rows.iter().find(|r| &r.policy == only) {
             let _ = writeln!(report, "median unfairness 1s: {:.1}%", 100.0 * r.med1s);
         }
     }
     Ok(report)
+}
+
+/// One summary of several runs of one policy.
+fn pool(runs: &[Summary]) -> Summary {
+    let mean = |f: fn(&Summary) -> f64| runs.iter().map(f).sum::<f64>() / runs.len() as f64;
+    let med = |f: fn(&Summary) -> f64| median(&runs.iter().map(f).collect::<Vec<_>>());
+    let most = |f: fn(&Summary) -> f64| runs.iter().map(f).fold(f64::NAN, f64::max);
+    Summary {
+        policy: runs.first().map_or_else(String::new, |r| r.policy.clone()),
+        med500: med(|r| r.med500),
+        max500: most(|r| r.max500),
+        med1s: med(|r| r.med1s),
+        max1s: most(|r| r.max1s),
+        util: mean(|r| r.util),
+        work_per_s: mean(|r| r.work_per_s),
+        progress: mean(|r| r.progress),
+        short_share: mean(|r| r.short_share),
+        switches_per_s: mean(|r| r.switches_per_s),
+        kernel_load: mean(|r| r.kernel_load),
+        kernel_ms: [mean(|r| r.kernel_ms[0]), mean(|r| r.kernel_ms[1])],
+    }
+}
+
+/// The share-over-time picture of one policy's run, if asked for.
+fn draw(o: &FairOpts, p: &str, run: &Run) -> Result<()> {
+    if let Some(dir) = &o.png {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join(format!("fairness-{p}-{}.png", o.tenants));
+        let title = format!(
+            "{p}: {} tenants, short (1 ms) and long (5 ms) kernels",
+            o.tenants
+        );
+        share_png(run, &title, &path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    Ok(())
 }
 
 /// A lone tenant natively, under hira with FIFO, and under hira with the policy, in

@@ -102,6 +102,7 @@ fn fairness(args: Vec<String>) -> Result<u8> {
         weights: None,
         live: false,
         depth: 3,
+        rounds: 1,
         icd: crate::run::find_icd()?,
         exe,
     };
@@ -126,6 +127,8 @@ fn fairness(args: Vec<String>) -> Result<u8> {
         } else if let Some(v) = crate::take_value(&arg, "--weights", &mut it)? {
             let w: Result<Vec<u32>, _> = v.split(',').map(str::parse).collect();
             o.weights = Some(w.context("--weights: numbers separated by commas")?);
+        } else if let Some(v) = crate::take_value(&arg, "--rounds", &mut it)? {
+            o.rounds = v.parse().context("--rounds")?;
         } else if arg == "--live" {
             o.live = true;
         } else {
@@ -140,8 +143,8 @@ fn fairness(args: Vec<String>) -> Result<u8> {
             bail!("unknown policy {p:?} ({})", POLICIES.join(", "));
         }
     }
-    if o.tenants == 0 || o.seconds <= 0.0 {
-        bail!("--tenants and --seconds must be positive");
+    if o.tenants == 0 || o.seconds <= 0.0 || o.rounds == 0 {
+        bail!("--tenants, --seconds and --rounds must be positive");
     }
     print!("{}", hira_bench::fair::fairness(&o)?);
     Ok(0)

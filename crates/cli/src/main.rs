@@ -23,7 +23,7 @@ usage:
                                         slo, kernel_timeout, memory_quota)
   hira top [--router SOCKET] [--interval MS] [--once]
   hira bench [--quick]
-  hira bench fairness [--policy P|P,Q|all] [--tenants N] [--seconds S] [--png DIR]
+  hira bench fairness [--policy P|P,Q|all] [--tenants N] [--seconds S] [--rounds R] [--png DIR]
                       [--weights 1,2,4 [--live]] [--depth D]
   hira bench memory [--mix set1..set5|all] [--seconds S] [--placement lls,size,util|all]
                     [--tenants N] [--no-control] [--kernel-ms MS] [--sched P] [--unit-kib K]
