@@ -215,6 +215,8 @@ struct Run {
     weights: Vec<u32>,
     /// When the weights were changed (weights mode, live).
     changed_at: Option<f64>,
+    /// CPU used during the measured part, in cores: the router's process, the tenants'.
+    cpu: (f64, f64),
 }
 
 /// The summary of one run.
@@ -242,6 +244,8 @@ pub struct Summary {
     pub kernel_load: f64,
     /// Average device time of one short and of one long kernel, ms.
     pub kernel_ms: [f64; 2],
+    /// CPU the router used, in cores (on a CPU device it is taken from the kernels).
+    pub router_cpu: f64,
 }
 
 fn spawn_tenant(o: &FairOpts, socket: Option<&Path>, iters: u32, seconds: f64) -> Result<Child> {
@@ -298,6 +302,7 @@ fn run_policy(o: &FairOpts, policy: &str, short: u32, weights: &[u32]) -> Result
     let mut samples = Vec::new();
     let mut changed_at = None;
     let mut ready_at: Option<Instant> = None;
+    let mut cpu_from = None;
     // Measure `seconds` from the moment every tenant has finished a kernel.
     loop {
         std::thread::sleep(SAMPLE);
@@ -316,6 +321,7 @@ fn run_policy(o: &FairOpts, policy: &str, short: u32, weights: &[u32]) -> Result
         samples.push((now, ns, k.clone(), device.busy_ns, device.switches));
         if ready_at.is_none() && k.iter().all(|&x| x > 0) {
             ready_at = Some(Instant::now());
+            cpu_from = Some(cpu_now(&pids));
         }
         let Some(ready) = ready_at else {
             if start.elapsed() > Duration::from_secs(60) {
@@ -338,6 +344,11 @@ fn run_policy(o: &FairOpts, policy: &str, short: u32, weights: &[u32]) -> Result
             break;
         }
     }
+    let cpu = cpu_from.map(|(at, router, tenants)| {
+        let (end, router2, tenants2) = cpu_now(&pids);
+        let dt = end.duration_since(at).as_secs_f64().max(1e-3);
+        ((router2 - router) / dt, (tenants2 - tenants) / dt)
+    });
     for mut k in kids {
         let _ = k.kill();
         let _ = k.wait();
@@ -357,7 +368,29 @@ fn run_policy(o: &FairOpts, policy: &str, short: u32, weights: &[u32]) -> Result
         long,
         weights: weights.to_vec(),
         changed_at,
+        cpu: cpu.unwrap_or((f64::NAN, f64::NAN)),
     })
+}
+
+/// CPU seconds used so far by this process (the router and the sampling loop) and by the
+/// tenant processes, with the time they were read.
+fn cpu_now(tenants: &[i32]) -> (Instant, f64, f64) {
+    let of = |pid: &str| -> f64 {
+        // Fields 14 and 15 of /proc/<pid>/stat (after the parenthesized command): user and
+        // system time in clock ticks, 100 per second on Linux.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                let rest = &s[s.rfind(')')? + 2..];
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                Some((f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?) as f64)
+            })
+            .unwrap_or(0.0)
+            / 100.0
+    };
+    let router = of("self");
+    let tenants = tenants.iter().map(|p| of(&p.to_string())).sum();
+    (Instant::now(), router, tenants)
 }
 
 /// Per-window deltas of every tenant's device time, windows of `w` seconds.
@@ -436,6 +469,7 @@ fn summarize(run: &Run, solo: Solo) -> Summary {
         switches_per_s: f64::NAN,
         kernel_load: f64::NAN,
         kernel_ms: [f64::NAN; 2],
+        router_cpu: run.cpu.0,
     };
     let (Some(a), Some(b)) = (run.samples.first(), run.samples.last()) else {
         return sum;
@@ -481,7 +515,7 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
         base.map_or("-".to_string(), |b| format!("{:.1}%", 100.0 * v / b))
     };
     let mut s = format!(
-        "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>7} {:>7} {:>9} {:>13}\n",
+        "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>7} {:>7} {:>9} {:>13} {:>7}\n",
         "policy",
         "tenants",
         "med 0.5s",
@@ -495,12 +529,13 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
         "kernels",
         "short",
         "switch/s",
-        "ms/kernel s/l"
+        "ms/kernel s/l",
+        "router"
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "{:<10} {:>7} {:>8.1}% {:>8.1}% {:>8.1}% {:>8.1}% {:>6.0}% {:>9} {:>9} {:>10.0} {:>6.0}% {:>6.1}% {:>9.0} {:>6.2}/{:<6.2}",
+            "{:<10} {:>7} {:>8.1}% {:>8.1}% {:>8.1}% {:>8.1}% {:>6.0}% {:>9} {:>9} {:>10.0} {:>6.0}% {:>6.1}% {:>9.0} {:>6.2}/{:<6.2} {:>6.1}%",
             r.policy,
             tenants,
             100.0 * r.med500,
@@ -515,7 +550,8 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
             100.0 * r.short_share,
             r.switches_per_s,
             r.kernel_ms[0],
-            r.kernel_ms[1]
+            r.kernel_ms[1],
+            100.0 * r.router_cpu
         );
     }
     s
@@ -648,6 +684,7 @@ fn pool(runs: &[Summary]) -> Summary {
         switches_per_s: mean(|r| r.switches_per_s),
         kernel_load: mean(|r| r.kernel_load),
         kernel_ms: [mean(|r| r.kernel_ms[0]), mean(|r| r.kernel_ms[1])],
+        router_cpu: mean(|r| r.router_cpu),
     }
 }
 
@@ -1134,6 +1171,7 @@ mod tests {
             long: vec![false, true],
             weights: vec![1, 1],
             changed_at: None,
+            cpu: (0.0, 0.0),
         }
     }
 
