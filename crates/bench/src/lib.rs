@@ -416,9 +416,82 @@ pub fn table(native: &[Row], hira: &[Row]) -> String {
     s
 }
 
+/// The side-by-side table over several rounds: per measurement the median of the rounds for
+/// native and for hira, the ratio of the medians, and the lowest and highest ratio within a
+/// round (the machine's speed drifts; a round runs native and hira back to back).
+pub fn table_rounds(native: &[Vec<Row>], hira: &[Vec<Row>]) -> String {
+    let Some(first) = native.first() else {
+        return String::new();
+    };
+    let mut s = format!(
+        "{:<44} {:>12} {:>12} {:>8} {:>13}  {}\n",
+        "measurement", "native", "hira", "ratio", "round ratios", "unit"
+    );
+    let ratio = |n: f64, h: f64, higher_better: bool| if higher_better { h / n } else { n / h };
+    for row in first {
+        let value = |rounds: &[Vec<Row>]| -> Vec<f64> {
+            rounds
+                .iter()
+                .filter_map(|r| r.iter().find(|x| x.name == row.name).map(|x| x.value))
+                .collect()
+        };
+        let (n, h) = (value(native), value(hira));
+        if n.is_empty() || n.len() != h.len() {
+            continue;
+        }
+        let per: Vec<f64> = n
+            .iter()
+            .zip(&h)
+            .map(|(&a, &b)| ratio(a, b, row.higher_better))
+            .collect();
+        let lo = per.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = per.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let (mn, mh) = (median(&n), median(&h));
+        s += &format!(
+            "{:<44} {:>12.3} {:>12.3} {:>8.2} {:>13}  {}\n",
+            row.name,
+            mn,
+            mh,
+            ratio(mn, mh, row.higher_better),
+            format!("{lo:.2}–{hi:.2}"),
+            row.unit
+        );
+    }
+    s
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rounds_take_medians_and_show_the_spread() {
+        let row = |v: f64| {
+            vec![Row {
+                name: "sync".into(),
+                value: v,
+                unit: "us/call",
+                higher_better: false,
+            }]
+        };
+        let native = vec![row(1.0), row(1.0), row(1.0)];
+        let hira = vec![row(2.0), row(4.0), row(5.0)];
+
+        let t = table_rounds(&native, &hira);
+
+        assert!(t.contains(" 4.000 "), "{t}");
+        assert!(t.contains("0.20–0.50"), "{t}");
+    }
 
     #[test]
     fn rows_round_trip_through_the_worker_format() {

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use anyhow::{bail, Context, Result};
 use hira_bench::fair::FairOpts;
 
-/// `hira bench [--quick]` or `hira bench fairness ...`.
+/// `hira bench [--quick] [--rounds N]` or `hira bench fairness ...`.
 pub fn bench(args: Vec<String>) -> Result<u8> {
     if args.first().map(String::as_str) == Some("fairness") {
         return fairness(args[1..].to_vec());
@@ -16,11 +16,19 @@ pub fn bench(args: Vec<String>) -> Result<u8> {
         return memory(args[1..].to_vec());
     }
     let mut quick = false;
-    for a in &args {
-        match a.as_str() {
-            "--quick" => quick = true,
-            other => bail!("unknown argument {other:?} for bench"),
+    let mut rounds = 3usize;
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        if a == "--quick" {
+            quick = true;
+        } else if let Some(v) = crate::take_value(&a, "--rounds", &mut it)? {
+            rounds = v.parse().context("--rounds")?;
+        } else {
+            bail!("unknown argument {a:?} for bench");
         }
+    }
+    if rounds == 0 {
+        bail!("--rounds must be positive");
     }
     let exe = std::env::current_exe().context("cannot locate the hira executable")?;
     let worker = |under_hira: bool| -> Result<Vec<hira_bench::Row>> {
@@ -43,9 +51,26 @@ pub fn bench(args: Vec<String>) -> Result<u8> {
         }
         Ok(hira_bench::decode(&String::from_utf8_lossy(&out.stdout)))
     };
-    let native = worker(false)?;
-    let hira = worker(true)?;
-    print!("{}", hira_bench::table(&native, &hira));
+    let (mut native, mut hira) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        if rounds > 1 {
+            eprintln!("round {} of {rounds} ...", round + 1);
+        }
+        // Alternate which goes first, so neither always runs on a warmer or quieter machine.
+        if round % 2 == 0 {
+            native.push(worker(false)?);
+            hira.push(worker(true)?);
+        } else {
+            hira.push(worker(true)?);
+            native.push(worker(false)?);
+        }
+    }
+    if rounds == 1 {
+        print!("{}", hira_bench::table(&native[0], &hira[0]));
+    } else {
+        print!("{}", hira_bench::table_rounds(&native, &hira));
+        println!("(medians of {rounds} rounds; ratio 1.0 = no overhead)");
+    }
     Ok(0)
 }
 

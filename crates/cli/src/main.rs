@@ -22,7 +22,7 @@ usage:
            | set TENANT KEY=VALUE...   (TENANT: id or pid:N; keys weight, cap, priority,
                                         slo, kernel_timeout, memory_quota)
   hira top [--router SOCKET] [--interval MS] [--once]
-  hira bench [--quick]
+  hira bench [--quick] [--rounds N]
   hira bench fairness [--policy P|P,Q|all] [--tenants N] [--seconds S] [--rounds R] [--png DIR]
                       [--weights 1,2,4 [--live]] [--depth D]
   hira bench memory [--mix set1..set5|all] [--seconds S] [--placement lls,size,util|all]
