@@ -130,6 +130,35 @@ pub struct Connection {
     outstanding: u32,
     /// Moving average of the time replies take (decides whether to poll for the next).
     recent_wait: std::time::Duration,
+    /// Replies the router has no use for come straight from the API server on this socket
+    /// (`control::OPT_DIRECT`); everything else, FAILED frames included, on `reader`.
+    direct: Option<FrameReader>,
+}
+
+/// Whether this connection asks for a direct reply socket (`HIRA_DIRECT=0`: no, every reply
+/// through the router).
+fn want_direct() -> bool {
+    static W: OnceLock<bool> = OnceLock::new();
+    *W.get_or_init(|| std::env::var("HIRA_DIRECT").map_or(true, |v| v != "0"))
+}
+
+/// Polls `fds` for input: `timeout_ms` as poll(2) takes it. The readable ones are marked.
+fn poll_in(fds: &[i32], timeout_ms: i32) -> [bool; 2] {
+    let mut p = [libc::pollfd {
+        fd: -1,
+        events: libc::POLLIN,
+        revents: 0,
+    }; 2];
+    for (slot, &fd) in p.iter_mut().zip(fds) {
+        slot.fd = fd;
+    }
+    let n = fds.len().min(2);
+    // SAFETY: `n` valid pollfds on sockets this connection owns.
+    let r = unsafe { libc::poll(p.as_mut_ptr(), n as libc::nfds_t, timeout_ms) };
+    if r <= 0 {
+        return [false; 2];
+    }
+    [0, 1].map(|i| i < n && p[i].revents != 0)
 }
 
 fn socket_path() -> Option<std::path::PathBuf> {
@@ -147,6 +176,11 @@ impl Connection {
         // SAFETY: gettid has no preconditions.
         w.u64(unsafe { libc::gettid() } as u64);
         w.u64(shm.len() as u64);
+        w.u32(if role == control::ROLE_CALLS && want_direct() {
+            control::OPT_DIRECT
+        } else {
+            0
+        });
         finish_frame(&mut w.buf, Kind::Control, control::HELLO, 0, 0, 0);
         sock.send(&w.buf, &[shm.fd()])
             .map_err(|e| log_err("hello", e))?;
@@ -162,6 +196,7 @@ impl Connection {
             deferred: 0,
             outstanding: 0,
             recent_wait: std::time::Duration::ZERO,
+            direct: None,
         };
         let (h, payload) = c.read_frame()?;
         let mut r = Reader::new(&payload);
@@ -172,6 +207,15 @@ impl Connection {
             } else {
                 CL_OUT_OF_RESOURCES
             });
+        }
+        if r.u32().unwrap_or(0) & control::OPT_DIRECT != 0 {
+            let fd = c.reader.take_fd().ok_or_else(|| {
+                log_code(
+                    "WELCOME announces a direct reply socket but carries none",
+                    CL_OUT_OF_RESOURCES,
+                )
+            })?;
+            c.direct = Some(FrameReader::new(Conn::from_owned(fd)));
         }
         Ok(c)
     }
@@ -184,18 +228,59 @@ impl Connection {
     fn read_frame(&mut self) -> Result<(Header, Vec<u8>), i32> {
         let start = std::time::Instant::now();
         let window = poll_window();
-        if self.recent_wait < window {
-            self.reader.spin_until_readable(window);
-        }
-        match self
-            .reader
-            .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
-        {
-            Ok(Some(f)) => {
+        let from_direct = match &self.direct {
+            None => {
+                if self.recent_wait < window {
+                    self.reader.spin_until_readable(window);
+                }
+                false
+            }
+            Some(direct) => {
+                let fds = [self.reader.conn().as_raw_fd(), direct.conn().as_raw_fd()];
+                let deadline = start + window;
+                let mut ready = [self.reader.buffered() > 0, direct.buffered() > 0];
+                if ready == [false, false] && self.recent_wait < window {
+                    // Poll (yielding) before sleeping, as with one socket.
+                    while ready == [false, false] && std::time::Instant::now() < deadline {
+                        ready = poll_in(&fds, 0);
+                        if ready == [false, false] {
+                            std::thread::yield_now();
+                        }
+                    }
+                }
+                while ready == [false, false] {
+                    ready = poll_in(&fds, -1);
+                }
+                // The router's frames first: a FAILED there may end the wait.
+                !ready[0]
+            }
+        };
+        let reader = if from_direct {
+            self.direct.as_mut().expect("direct socket present")
+        } else {
+            &mut self.reader
+        };
+        let got = match reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {
+            Ok(Some(f)) => Ok(Some((
+                Header::parse(f).map_err(|_| CL_OUT_OF_RESOURCES)?,
+                f[HEADER_LEN..].to_vec(),
+            ))),
+            Ok(None) => Ok(None),
+            Err(e) => Err(e),
+        };
+        match got {
+            Ok(Some(frame)) => {
                 // Moving average of how long replies take.
                 self.recent_wait = (self.recent_wait * 3 + start.elapsed()) / 4;
-                let h = Header::parse(f).map_err(|_| CL_OUT_OF_RESOURCES)?;
-                Ok((h, f[HEADER_LEN..].to_vec()))
+                Ok(frame)
+            }
+            Ok(None) if from_direct => {
+                // The API server is gone; the router answers what follows.
+                self.direct = None;
+                Err(log_code(
+                    "API server closed the direct reply socket",
+                    CL_OUT_OF_RESOURCES,
+                ))
             }
             Ok(None) => Err(log_code(
                 "router closed the connection",

@@ -58,6 +58,15 @@ pub fn op(opcode: u16) -> Option<&'static OpInfo> {
     OPS.get(usize::from(opcode).checked_sub(1)?)
 }
 
+/// Whether the reply to a request may go from the API server straight to the guest (on a
+/// connection that has a direct reply socket): every reply except those the router reads —
+/// a new memory object's id (device-memory accounting binds the charge to it) and a launch's
+/// status (a refused launch frees its device slot). Router and server decide with this same
+/// function, so the router knows which replies it will not see.
+pub fn reply_skips_router(opcode: u16) -> bool {
+    op(opcode).is_some_and(|o| !o.device_time && o.creates != K_MEM)
+}
+
 /// Translation mode and handle kind of an info query result, if it needs one.
 pub fn info_mode(opcode: u16, param: u32) -> Option<(InfoMode, u8)> {
     INFOS

@@ -45,6 +45,8 @@ pub struct TenantMetrics {
     pub bad_frames: AtomicU64,
     /// Latest USAGE sample from the server: device time total.
     pub usage_device_ns: AtomicU64,
+    /// Reply bytes the server sent straight to the guest (from its USAGE samples).
+    pub bytes_out_direct: AtomicU64,
     /// Latest USAGE sample: device memory held.
     pub mem_bytes: AtomicU64,
     /// Latest USAGE sample: live API objects.
@@ -83,6 +85,7 @@ impl TenantMetrics {
             failed: AtomicU64::new(0),
             bad_frames: AtomicU64::new(0),
             usage_device_ns: AtomicU64::new(0),
+            bytes_out_direct: AtomicU64::new(0),
             mem_bytes: AtomicU64::new(0),
             objects: AtomicU64::new(0),
             mem_held: AtomicU64::new(0),
@@ -129,7 +132,7 @@ impl TenantMetrics {
             calls_by_op,
             unknown_calls: self.unknown_calls.load(Relaxed),
             bytes_in: self.bytes_in.load(Relaxed),
-            bytes_out: self.bytes_out.load(Relaxed),
+            bytes_out: self.bytes_out.load(Relaxed) + self.bytes_out_direct.load(Relaxed),
             bulk: self.bulk.load(Relaxed),
             device_ns: self
                 .device_ns

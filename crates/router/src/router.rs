@@ -576,12 +576,12 @@ impl Router {
         } else {
             cred.pid
         };
-        let (tenant, link, r_end) = match self.admit(key, &hello, guest_tx) {
+        let (tenant, link, r_end, d_guest) = match self.admit(key, &hello, guest_tx) {
             Ok(x) => x,
             Err((guest_tx, reason)) => {
                 warn!(pid = key, %reason, "connection refused");
                 let _ = guest_tx.send(
-                    &welcome_frame(hello.seq, 0, 0, cl::CL_OUT_OF_RESOURCES),
+                    &welcome_frame(hello.seq, 0, 0, cl::CL_OUT_OF_RESOURCES, false),
                     &[],
                 );
                 return;
@@ -595,7 +595,11 @@ impl Router {
             tid = hello.tid,
             "connection attached"
         );
-        if let Err(e) = link.send_guest(&welcome_frame(hello.seq, tid, link.id, 0)) {
+        let welcome = welcome_frame(hello.seq, tid, link.id, 0, d_guest.is_some());
+        let fds: Vec<_> = d_guest.iter().map(|d| d.as_fd()).collect();
+        let sent = lock(&link.guest_tx).send(&welcome, &fds);
+        drop(d_guest);
+        if let Err(e) = sent {
             debug!(tenant = tid, error = %e, "guest left before WELCOME");
         } else {
             let s2g = {
@@ -630,10 +634,20 @@ impl Router {
         key: i32,
         hello: &Hello,
         guest_tx: Conn,
-    ) -> std::result::Result<(Arc<Tenant>, Arc<Link>, Conn), (Conn, String)> {
+    ) -> std::result::Result<(Arc<Tenant>, Arc<Link>, Conn, Option<Conn>), (Conn, String)> {
         let (r_end, s_end) = match Conn::pair() {
             Ok(p) => p,
             Err(e) => return Err((guest_tx, format!("socketpair: {e}"))),
+        };
+        // The direct reply socket: the guest's end goes out with WELCOME, the server's with
+        // ATTACH; the router keeps neither (the guest must see EOF when the server dies).
+        let direct = if hello.direct {
+            match Conn::pair() {
+                Ok(p) => Some(p),
+                Err(e) => return Err((guest_tx, format!("socketpair: {e}"))),
+            }
+        } else {
+            None
         };
         let clones = guest_tx
             .try_clone()
@@ -671,15 +685,17 @@ impl Router {
             pending: Mutex::new(Pending::default()),
             refused: Mutex::new(HashMap::new()),
             closing: AtomicBool::new(false),
+            direct: direct.is_some(),
         });
         lock(&tenant.links).insert(link.id, Arc::clone(&link));
         tenant.m.connections.fetch_add(1, Relaxed);
-        if let Err(e) = tenant.attach(link.id, hello, s_end) {
+        let (d_guest, d_server) = direct.unzip();
+        if let Err(e) = tenant.attach(link.id, hello, s_end, d_server.as_ref()) {
             self.detach(&tenant, link.id);
             let guest_tx = std::mem::replace(&mut *lock(&link.guest_tx), link.guest_ctl_clone());
             return Err((guest_tx, format!("ATTACH failed: {e}")));
         }
-        Ok((tenant, link, r_end))
+        Ok((tenant, link, r_end, d_guest))
     }
 
     /// Creates a tenant and spawns its server; called with the state locked.
@@ -939,11 +955,22 @@ struct Tenant {
 }
 
 impl Tenant {
-    fn attach(&self, conn_id: u64, hello: &Hello, s_end: Conn) -> Result<()> {
+    fn attach(
+        &self,
+        conn_id: u64,
+        hello: &Hello,
+        s_end: Conn,
+        direct: Option<&Conn>,
+    ) -> Result<()> {
         let mut w = Writer::with_header_room(HEADER_LEN);
         w.u64(conn_id);
         w.u32(hello.role);
         w.u64(hello.shm_len);
+        w.u32(if direct.is_some() {
+            control::OPT_DIRECT
+        } else {
+            0
+        });
         let mut frame = w.buf;
         Header::new(
             Kind::Control,
@@ -955,6 +982,9 @@ impl Tenant {
         let mut fds = vec![s_end.as_fd()];
         if let Some(shm) = &hello.shm {
             fds.push(shm.as_fd());
+        }
+        if let Some(d) = direct {
+            fds.push(d.as_fd());
         }
         let _guard = lock(&self.control_tx);
         self.control.send(&frame, &fds)?;
@@ -1242,6 +1272,9 @@ struct Link {
     refused: Mutex<HashMap<u64, (u16, i32)>>,
     /// The guest side has ended; nothing more is sent to it.
     closing: AtomicBool,
+    /// Replies that `hira_opencl::reply_skips_router` names go from the server straight to
+    /// the guest: the router neither sees nor tracks them.
+    direct: bool,
 }
 
 #[derive(Debug, Default)]
@@ -1311,6 +1344,8 @@ struct Hello {
     tid: u64,
     shm_len: u64,
     shm: Option<OwnedFd>,
+    /// The guest takes replies on a direct socket (`control::OPT_DIRECT`).
+    direct: bool,
 }
 
 fn read_hello(reader: &mut FrameReader) -> std::result::Result<Option<Hello>, String> {
@@ -1329,6 +1364,7 @@ fn read_hello(reader: &mut FrameReader) -> std::result::Result<Option<Hello>, St
     let mut r = Reader::new(&frame[HEADER_LEN..]);
     let fields = (|| Ok::<_, hira_wire::Error>((r.u32()?, r.u32()?, r.u64()?, r.u64()?)))();
     let (role, pid, tid, shm_len) = fields.map_err(|e| format!("HELLO payload: {e}"))?;
+    let options = r.u32().unwrap_or(0);
     if role != control::ROLE_CALLS && role != control::ROLE_CALLBACKS {
         return Err(format!("unknown role {role}"));
     }
@@ -1343,6 +1379,7 @@ fn read_hello(reader: &mut FrameReader) -> std::result::Result<Option<Hello>, St
         tid,
         shm_len,
         shm: if shm_len > 0 { shm } else { None },
+        direct: options & control::OPT_DIRECT != 0 && role == control::ROLE_CALLS,
     }))
 }
 
@@ -1395,11 +1432,12 @@ fn refusal_reply(ping: &Header, opcode: u16, code: i32, payload: &[u8]) -> Vec<u
     w.buf
 }
 
-fn welcome_frame(seq: u64, tenant: u64, conn: u64, status: i32) -> Vec<u8> {
+fn welcome_frame(seq: u64, tenant: u64, conn: u64, status: i32, direct: bool) -> Vec<u8> {
     let mut w = Writer::default();
     w.u64(tenant);
     w.u64(conn);
     w.i32(status);
+    w.u32(if direct { control::OPT_DIRECT } else { 0 });
     control_frame(control::WELCOME, seq, &w.buf)
 }
 
@@ -1466,7 +1504,19 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
         }
         let sync = h.flags & flags::ASYNC == 0;
         if sync {
-            if !link.track(h.seq) {
+            // A reply the server sends straight to the guest is not tracked here (a dead
+            // server's EOF on the direct socket fails it in the guest); a refused request
+            // is answered by the router, so it is.
+            let untracked = link.direct
+                && h.kind == Kind::Request
+                && refused.is_none()
+                && hira_opencl::reply_skips_router(h.opcode);
+            let live = if untracked {
+                !link.is_gone()
+            } else {
+                link.track(h.seq)
+            };
+            if !live {
                 m.failed.fetch_add(1, Relaxed);
                 let _ = link.send_guest(&failed_frame(h.seq, cl::CL_OUT_OF_RESOURCES));
                 continue;
@@ -1698,6 +1748,9 @@ fn control_loop(t: &Tenant, mut reader: FrameReader) {
                 t.m.usage_device_ns.store(dev, Relaxed);
                 t.m.mem_bytes.store(mem, Relaxed);
                 t.m.objects.store(obj, Relaxed);
+                if let Ok(direct) = r.u64() {
+                    t.m.bytes_out_direct.store(direct, Relaxed);
+                }
             }
         } else if h.kind == Kind::Control && h.opcode == control::DONE {
             let mut r = Reader::new(&frame[HEADER_LEN..]);

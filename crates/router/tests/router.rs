@@ -46,10 +46,13 @@ fn fake_server(control_conn: Conn) {
         assert_eq!((h.kind, h.opcode), (Kind::Control, control::ATTACH));
         let mut r = Reader::new(&payload);
         let (_conn_id, _role, shm_len) = (r.u64().unwrap(), r.u32().unwrap(), r.u64().unwrap());
+        let options = r.u32().unwrap_or(0);
         let conn = Conn::from_owned(reader.take_fd().unwrap());
         if shm_len > 0 {
             assert!(reader.take_fd().is_some());
         }
+        let direct = (options & control::OPT_DIRECT != 0)
+            .then(|| Conn::from_owned(reader.take_fd().expect("direct reply socket")));
         let mut usage = Writer::default();
         usage.u64(7);
         usage.u64(4096);
@@ -82,7 +85,15 @@ fn fake_server(control_conn: Conn) {
                     Kind::Request => frame(Kind::Reply, h.opcode, h.seq, 0, &0i32.to_le_bytes()),
                     _ => frame(Kind::Control, h.opcode, h.seq, 0, &[]),
                 };
-                if tx.send(&reply, &[]).is_err() {
+                let to = match &direct {
+                    Some(d)
+                        if h.kind == Kind::Request && hira_opencl::reply_skips_router(h.opcode) =>
+                    {
+                        d
+                    }
+                    _ => &tx,
+                };
+                if to.send(&reply, &[]).is_err() {
                     return;
                 }
             }
@@ -420,6 +431,54 @@ fn bad_hello_gets_failed() {
 
     assert_eq!(h.opcode, control::FAILED);
     assert_eq!(status(&payload), cl::CL_INVALID_VALUE);
+}
+
+#[test]
+fn direct_replies_skip_the_router_and_end_with_the_server() {
+    let (_router, socket) = start(false);
+    let mut g = Guest::connect(&socket);
+    let mut w = Writer::default();
+    w.u32(control::ROLE_CALLS);
+    w.u32(1);
+    w.u64(1);
+    w.u64(0);
+    w.u32(control::OPT_DIRECT);
+    g.send(&frame(Kind::Control, control::HELLO, 1, 0, &w.buf));
+    let (h, payload) = g.recv().unwrap();
+    let mut r = Reader::new(&payload);
+    let welcome = (r.u64(), r.u64(), r.i32(), r.u32());
+    let direct = Conn::from_owned(g.rx.take_fd().expect("WELCOME carries the direct socket"));
+    direct
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut direct = FrameReader::new(direct);
+
+    g.send(&frame(
+        Kind::Request,
+        hira_opencl::OP_CLFINISH,
+        2,
+        0,
+        &[0; 8],
+    ));
+    let finish = read(&mut direct).unwrap();
+    let (created, _) = g.call(
+        hira_opencl::OP_CLCREATEBUFFER,
+        3,
+        &create_buffer_payload(4096),
+    );
+    g.send(&frame(Kind::Request, DIE, 4, 0, &[]));
+    let after_death = read(&mut direct);
+    let t = stats(&socket).remove(0);
+
+    assert_eq!(h.opcode, control::WELCOME);
+    assert_eq!(welcome.2, Ok(0));
+    assert_eq!(welcome.3, Ok(control::OPT_DIRECT));
+    assert_eq!((finish.0.kind, finish.0.seq), (Kind::Reply, 2));
+    // A new buffer's id is read by the router (device-memory accounting): not direct.
+    assert_eq!((created.kind, created.seq), (Kind::Reply, 3));
+    assert_eq!(t.alloc_requested, 4096);
+    // The dead server's end closes: the guest's pending call ends there.
+    assert!(after_death.is_none());
 }
 
 #[test]

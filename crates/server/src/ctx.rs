@@ -72,6 +72,8 @@ pub struct Shared {
     pub callbacks: Mutex<Option<Conn>>,
     pub device_ns: AtomicU64,
     pub device_ns_reported: AtomicU64,
+    /// Bytes of replies sent straight to the guest (the router counts them from USAGE).
+    pub direct_bytes: AtomicU64,
     /// Bytes of the tenant's buffers, evicted ones included (`swap::Swap::evicted_bytes`
     /// tells how many of them live in host memory).
     pub mem_bytes: AtomicU64,
@@ -95,6 +97,7 @@ impl Shared {
             callbacks: Mutex::new(None),
             device_ns: AtomicU64::new(0),
             device_ns_reported: AtomicU64::new(0),
+            direct_bytes: AtomicU64::new(0),
             mem_bytes: AtomicU64::new(0),
             control: Mutex::new(None),
             staged_reads: Mutex::new(HashMap::new()),

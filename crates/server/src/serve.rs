@@ -83,12 +83,25 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
         }
         let mut r = Reader::new(&frame[HEADER_LEN..]);
         let (conn_id, role, shm_len) = (r.u64()?, r.u32()?, r.u64()?);
+        let options = r.u32().unwrap_or(0);
         let sock = reader.take_fd().context("ATTACH without a socket")?;
         let shm = if shm_len > 0 {
             let fd = reader
                 .take_fd()
                 .context("ATTACH without its shared memory")?;
             Some(ShmRegion::from_fd(fd, shm_len as usize)?)
+        } else {
+            None
+        };
+        let direct = if options & control::OPT_DIRECT != 0 {
+            let fd = reader
+                .take_fd()
+                .context("ATTACH announces a direct reply socket but carries none")?;
+            // Replies only: commands reach the server through the router and nowhere else,
+            // so the guest's end may not write to this one.
+            // SAFETY: shutdown(2) on a socket we own.
+            unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(&fd), libc::SHUT_RD) };
+            Some(Conn::from_owned(fd))
         } else {
             None
         };
@@ -101,7 +114,7 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
         std::thread::Builder::new()
             .name(format!("shadow-{conn_id}"))
             .spawn(move || {
-                if let Err(e) = shadow(conn, Ctx::new(shared, shm)) {
+                if let Err(e) = shadow(conn, direct, Ctx::new(shared, shm)) {
                     tracing::warn!(conn_id, "connection ended: {e:#}");
                 }
             })?;
@@ -111,13 +124,14 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
 }
 
 fn report_usage(shared: Arc<Shared>) {
-    let mut last = (u64::MAX, u64::MAX, u64::MAX);
+    let mut last = (u64::MAX, u64::MAX, u64::MAX, u64::MAX);
     loop {
         std::thread::sleep(std::time::Duration::from_millis(100));
         let now = (
             shared.device_ns.load(Ordering::Relaxed),
             shared.mem_bytes.load(Ordering::Relaxed),
             shared.objects(),
+            shared.direct_bytes.load(Ordering::Relaxed),
         );
         if now == last {
             continue;
@@ -127,6 +141,7 @@ fn report_usage(shared: Arc<Shared>) {
         w.u64(now.0);
         w.u64(now.1);
         w.u64(now.2);
+        w.u64(now.3);
         let len = w.buf.len() - HEADER_LEN;
         Header::new(Kind::Control, control::USAGE, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
         // One writer at a time on the control socket (kernel completions share it).
@@ -141,7 +156,7 @@ fn report_usage(shared: Arc<Shared>) {
 }
 
 /// A shadow thread: run this connection's requests in order.
-fn shadow(conn: Conn, mut cx: Ctx) -> anyhow::Result<()> {
+fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
     let out = conn.try_clone()?;
     let mut reader = FrameReader::new(conn);
     let mut deferred: i32 = 0;
@@ -212,13 +227,27 @@ fn shadow(conn: Conn, mut cx: Ctx) -> anyhow::Result<()> {
         if let Ok(body) = &result {
             w.buf.extend_from_slice(&body.buf);
         }
-        let total = cx.shared.device_ns.load(Ordering::Relaxed);
-        let before = cx.shared.device_ns_reported.swap(total, Ordering::Relaxed);
+        let direct = direct
+            .as_ref()
+            .filter(|_| h.kind == Kind::Request && hira_opencl::reply_skips_router(h.opcode));
         let mut rh = Header::new(Kind::Reply, h.opcode, h.seq, w.buf.len() - HEADER_LEN);
         rh.flags = fl;
-        rh.device_ns = total.saturating_sub(before);
+        if direct.is_none() {
+            // Device time rides on replies the router reads (USAGE samples carry the rest).
+            let total = cx.shared.device_ns.load(Ordering::Relaxed);
+            let before = cx.shared.device_ns_reported.swap(total, Ordering::Relaxed);
+            rh.device_ns = total.saturating_sub(before);
+        }
         rh.write_to(&mut w.buf[..HEADER_LEN]);
-        out.send(&w.buf, &[])?;
+        match direct {
+            Some(d) => {
+                d.send(&w.buf, &[])?;
+                cx.shared
+                    .direct_bytes
+                    .fetch_add(w.buf.len() as u64, Ordering::Relaxed);
+            }
+            None => out.send(&w.buf, &[])?,
+        }
     }
     Ok(())
 }

@@ -90,17 +90,34 @@ impl Proc {
 
     /// A calls connection, as the router attaches it (1 MiB of shared memory).
     pub fn attach(&self) -> Client {
+        self.attach_with(None)
+    }
+
+    /// A calls connection whose direct-reply replies (`control::OPT_DIRECT`) come on the
+    /// returned reader.
+    pub fn attach_direct(&self) -> (Client, FrameReader) {
+        let (ours, theirs) = Conn::pair().expect("socketpair");
+        let c = self.attach_with(Some(theirs));
+        (c, FrameReader::new(ours))
+    }
+
+    fn attach_with(&self, direct: Option<Conn>) -> Client {
         let (ours, theirs) = Conn::pair().expect("socketpair");
         let shm = ShmRegion::create("server-test", 1 << 20).expect("shm");
         let mut w = Writer::with_header_room(HEADER_LEN);
         w.u64(1);
         w.u32(control::ROLE_CALLS);
         w.u64(shm.len() as u64);
+        if direct.is_some() {
+            w.u32(control::OPT_DIRECT);
+        }
         let len = w.buf.len() - HEADER_LEN;
         Header::new(Kind::Control, control::ATTACH, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
-        self.ctl
-            .send(&w.buf, &[theirs.as_fd(), shm.fd()])
-            .expect("attach");
+        let mut fds = vec![theirs.as_fd(), shm.fd()];
+        if let Some(d) = &direct {
+            fds.push(d.as_fd());
+        }
+        self.ctl.send(&w.buf, &fds).expect("attach");
         let reader = FrameReader::new(ours.try_clone().expect("clone"));
         Client {
             conn: ours,
