@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use hira_router::{Config, SchedulerConfig, TenantPatch};
 
-use crate::{check, setup, Cl};
+use crate::{check, median, setup, Cl};
 
 const MADD: &[u8] = b"__kernel void madd(__global float *a, int iters) {\n\
     size_t i = get_global_id(0);\n\
@@ -430,16 +430,6 @@ fn unfairness(run: &Run, w: f64) -> Vec<f64> {
             (t1 + t2 > 0.0).then(|| (t1 - t2).abs() / (t1 + t2))
         })
         .collect()
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 fn max(v: &[f64]) -> f64 {

@@ -460,7 +460,8 @@ pub fn table_rounds(native: &[Vec<Row>], hira: &[Vec<Row>]) -> String {
     s
 }
 
-fn median(v: &[f64]) -> f64 {
+/// The median (the mean of the middle two for an even count; NaN for none).
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     match v.len() {

@@ -1201,7 +1201,9 @@ impl Tenant {
     fn retire(&self) {
         self.unschedule();
         self.retiring.store(true, SeqCst);
-        self.control.shutdown();
+        // The server reads EOF and exits; its last USAGE sample (the bytes of the replies it
+        // sent straight to the guest) still comes in until it does.
+        self.control.shutdown_write();
         info!(tenant = self.m.id, "tenant's last connection closed");
         if let Some(p) = &self.proc {
             let p = Arc::clone(p);

@@ -119,44 +119,62 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
                 }
             })?;
     }
+    send_usage(&shared, usage_of(&shared));
     tracing::info!("router closed the control socket; exiting");
     Ok(())
 }
 
 fn report_usage(shared: Arc<Shared>) {
-    let mut last = (u64::MAX, u64::MAX, u64::MAX, u64::MAX);
+    let mut last = None;
     loop {
         std::thread::sleep(std::time::Duration::from_millis(100));
-        let now = (
-            shared.device_ns.load(Ordering::Relaxed),
-            shared.mem_bytes.load(Ordering::Relaxed),
-            shared.objects(),
-            shared.direct_bytes.load(Ordering::Relaxed),
-        );
-        if now == last {
+        let now = usage_of(&shared);
+        if last == Some(now) {
             continue;
         }
-        last = now;
-        let mut w = Writer::with_header_room(HEADER_LEN);
-        w.u64(now.0);
-        w.u64(now.1);
-        w.u64(now.2);
-        w.u64(now.3);
-        let len = w.buf.len() - HEADER_LEN;
-        Header::new(Kind::Control, control::USAGE, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
-        // One writer at a time on the control socket (kernel completions share it).
-        let control = shared.control.lock().unwrap_or_else(|e| e.into_inner());
-        if control
-            .as_ref()
-            .is_none_or(|c| c.send(&w.buf, &[]).is_err())
-        {
+        last = Some(now);
+        if !send_usage(&shared, now) {
             return;
         }
     }
 }
 
+fn usage_of(shared: &Shared) -> (u64, u64, u64, u64) {
+    (
+        shared.device_ns.load(Ordering::Relaxed),
+        shared.mem_bytes.load(Ordering::Relaxed),
+        shared.objects(),
+        shared.direct_bytes.load(Ordering::Relaxed),
+    )
+}
+
+/// Sends one USAGE sample; false once the router is gone.
+fn send_usage(shared: &Shared, (dev, mem, objects, direct): (u64, u64, u64, u64)) -> bool {
+    let mut w = Writer::with_header_room(HEADER_LEN);
+    w.u64(dev);
+    w.u64(mem);
+    w.u64(objects);
+    w.u64(direct);
+    let len = w.buf.len() - HEADER_LEN;
+    Header::new(Kind::Control, control::USAGE, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
+    // One writer at a time on the control socket (kernel completions share it).
+    let control = shared.control.lock().unwrap_or_else(|e| e.into_inner());
+    control
+        .as_ref()
+        .is_some_and(|c| c.send(&w.buf, &[]).is_ok())
+}
+
 /// A shadow thread: run this connection's requests in order.
-fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
+fn shadow(conn: Conn, direct: Option<Conn>, cx: Ctx) -> anyhow::Result<()> {
+    let shared = Arc::clone(&cx.shared);
+    let r = shadow_loop(conn, direct, cx);
+    // A short-lived tenant may end before the next periodic sample: the router learns of
+    // the replies it did not see (their bytes) now.
+    send_usage(&shared, usage_of(&shared));
+    r
+}
+
+fn shadow_loop(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
     let out = conn.try_clone()?;
     let mut reader = FrameReader::new(conn);
     let mut deferred: i32 = 0;

@@ -84,6 +84,8 @@ fn replies_the_router_does_not_read_go_straight_to_the_guest() {
     assert_eq!((buf_reply.kind, buf_reply.seq), (Kind::Reply, 4));
 
     // The direct socket carries replies only: what a guest writes to it is refused.
-    let sent = direct.conn().send(b"a request that must not reach the server", &[]);
+    let sent = direct
+        .conn()
+        .send(b"a request that must not reach the server", &[]);
     assert!(sent.is_err(), "the server's end does not read");
 }

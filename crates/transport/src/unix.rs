@@ -266,6 +266,11 @@ impl Conn {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 
+    /// Shuts the sending direction down: the peer reads EOF and may still answer.
+    pub fn shutdown_write(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+    }
+
     /// Sets (or clears with `None`) the receive timeout; a timed-out
     /// [`Conn::recv`] fails with `WouldBlock`.
     pub fn set_read_timeout(&self, d: Option<Duration>) -> Result<()> {
