@@ -39,7 +39,22 @@ fn fake_server(control_conn: Conn) {
     let control_tx = Arc::new(control_conn.try_clone().unwrap());
     let conns: Arc<Mutex<Vec<Conn>>> = Arc::new(Mutex::new(Vec::new()));
     let mut reader = FrameReader::new(control_conn);
-    while let Some((h, payload)) = read(&mut reader) {
+    fake_control(&mut reader, &control_tx, &conns);
+    // The router let us go: a last USAGE sample, as the real server sends, with the bytes of
+    // replies it sent straight to guests.
+    let mut usage = Writer::default();
+    usage.u64(7);
+    usage.u64(4096);
+    usage.u64(3);
+    usage.u64(FINAL_DIRECT_BYTES);
+    let _ = control_tx.send(&frame(Kind::Control, control::USAGE, 0, 0, &usage.buf), &[]);
+}
+
+/// Direct reply bytes the fake server reports when it is let go.
+const FINAL_DIRECT_BYTES: u64 = 1 << 20;
+
+fn fake_control(reader: &mut FrameReader, control_tx: &Arc<Conn>, conns: &Arc<Mutex<Vec<Conn>>>) {
+    while let Some((h, payload)) = read(reader) {
         if (h.kind, h.opcode) == (Kind::Control, control::SET_QUOTA) {
             continue;
         }
@@ -61,7 +76,7 @@ fn fake_server(control_conn: Conn) {
             .send(&frame(Kind::Control, control::USAGE, 0, 0, &usage.buf), &[])
             .unwrap();
         conns.lock().unwrap().push(conn.try_clone().unwrap());
-        let (control_tx, conns) = (Arc::clone(&control_tx), Arc::clone(&conns));
+        let (control_tx, conns) = (Arc::clone(control_tx), Arc::clone(conns));
         std::thread::spawn(move || {
             let tx = conn.try_clone().unwrap();
             let mut r = FrameReader::new(conn);
@@ -479,6 +494,21 @@ fn direct_replies_skip_the_router_and_end_with_the_server() {
     assert_eq!(t.alloc_requested, 4096);
     // The dead server's end closes: the guest's pending call ends there.
     assert!(after_death.is_none());
+}
+
+#[test]
+fn bytes_the_server_reports_as_it_retires_are_counted() {
+    let (_router, socket) = start(false);
+    let (mut g, (id, _, _)) = Guest::admitted(&socket, 1);
+    g.call(hira_opencl::OP_CLFINISH, 2, &[0; 8]);
+    drop(g);
+
+    let t = stats_when(&socket, |s| {
+        s.iter()
+            .any(|t| t.id == id && t.bytes_out >= FINAL_DIRECT_BYTES)
+    });
+
+    assert!(t.iter().any(|t| t.id == id && !t.alive));
 }
 
 #[test]
