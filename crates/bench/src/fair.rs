@@ -50,35 +50,18 @@ impl Madd {
     /// Enqueues one launch of `iters`; returns its event.
     fn launch(&self, iters: u32) -> Result<*mut c_void> {
         let api = self.cl.api;
-        let global = GLOBAL;
         let n = iters as i32;
         let mut ev = std::ptr::null_mut();
-        // SAFETY: a 4-byte argument; one dimension; the event is a live local.
-        unsafe {
-            check(
-                "clSetKernelArg",
-                api.clSetKernelArg.context("missing")?(
-                    self.kernel,
-                    1,
-                    4,
-                    &n as *const i32 as *const c_void,
-                ),
-            )?;
-            check(
-                "clEnqueueNDRangeKernel",
-                api.clEnqueueNDRangeKernel.context("missing")?(
-                    self.cl.queue,
-                    self.kernel,
-                    1,
-                    std::ptr::null(),
-                    &global,
-                    std::ptr::null(),
-                    0,
-                    std::ptr::null(),
-                    &mut ev,
-                ),
-            )?;
-        }
+        // SAFETY: a 4-byte argument of a live kernel.
+        check("clSetKernelArg", unsafe {
+            api.clSetKernelArg.context("missing")?(
+                self.kernel,
+                1,
+                4,
+                &n as *const i32 as *const c_void,
+            )
+        })?;
+        self.cl.launch_1d(self.kernel, GLOBAL, &mut ev)?;
         Ok(ev)
     }
 
@@ -96,10 +79,7 @@ impl Madd {
     }
 
     fn finish(&self) -> Result<()> {
-        // SAFETY: a live queue.
-        check("clFinish", unsafe {
-            self.cl.api.clFinish.context("missing")?(self.cl.queue)
-        })
+        self.cl.finish()
     }
 }
 
@@ -131,28 +111,10 @@ pub fn spin() -> Result<()> {
     const SPIN: &[u8] =
         b"__kernel void spin(__global volatile int *a) { while (1) { a[0]++; } }\n\0";
     let cl = setup()?;
-    let api = cl.api;
     let kernel = cl.kernel(SPIN, c"spin")?;
     cl.buffer_arg0(kernel, 4)?;
-    let global = 1usize;
-    // SAFETY: one work item of a kernel whose argument is set; no events.
-    unsafe {
-        check(
-            "clEnqueueNDRangeKernel",
-            api.clEnqueueNDRangeKernel.context("missing")?(
-                cl.queue,
-                kernel,
-                1,
-                std::ptr::null(),
-                &global,
-                std::ptr::null(),
-                0,
-                std::ptr::null(),
-                std::ptr::null_mut(),
-            ),
-        )?;
-        check("clFinish", api.clFinish.context("missing")?(cl.queue))
-    }
+    cl.launch_1d(kernel, 1, std::ptr::null_mut())?;
+    cl.finish()
 }
 
 /// Iterations of madd that take `target` on this machine's device, measured natively.

@@ -149,6 +149,34 @@ fn setup() -> Result<Cl> {
 }
 
 impl Cl {
+    /// Enqueues `kernel` (its arguments set) over `global` work items in one dimension;
+    /// `event` is null or receives the launch's event.
+    fn launch_1d(&self, kernel: *mut c_void, global: usize, event: *mut *mut c_void) -> Result<()> {
+        // SAFETY: a kernel of this context with its arguments set; one dimension, no wait
+        // list; `event` is null or writable (caller).
+        check("clEnqueueNDRangeKernel", unsafe {
+            self.api.clEnqueueNDRangeKernel.context("missing")?(
+                self.queue,
+                kernel,
+                1,
+                std::ptr::null(),
+                &global,
+                std::ptr::null(),
+                0,
+                std::ptr::null(),
+                event,
+            )
+        })
+    }
+
+    /// Waits for everything enqueued on the queue.
+    fn finish(&self) -> Result<()> {
+        // SAFETY: a live queue.
+        check("clFinish", unsafe {
+            self.api.clFinish.context("missing")?(self.queue)
+        })
+    }
+
     /// A new buffer of `bytes`, set as argument 0 of `kernel`.
     fn buffer_arg0(&self, kernel: *mut c_void, bytes: usize) -> Result<()> {
         let api = self.api;

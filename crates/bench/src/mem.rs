@@ -270,29 +270,12 @@ impl Work {
 
     /// One launch on buffer `b` adding `add`, waited for; its wall time.
     fn launch(&self, b: usize, add: u32) -> Result<Duration> {
-        let api = self.cl.api;
         let t = Instant::now();
         self.set_arg(0, &self.bufs[b])?;
         self.set_arg(1, &add)?;
-        let global = self.elems;
-        // SAFETY: every argument is set; one dimension; no events.
-        unsafe {
-            crate::check(
-                "clEnqueueNDRangeKernel",
-                api.clEnqueueNDRangeKernel.context("missing")?(
-                    self.cl.queue,
-                    self.kernel,
-                    1,
-                    std::ptr::null(),
-                    &global,
-                    std::ptr::null(),
-                    0,
-                    std::ptr::null(),
-                    std::ptr::null_mut(),
-                ),
-            )?;
-            crate::check("clFinish", api.clFinish.context("missing")?(self.cl.queue))?;
-        }
+        self.cl
+            .launch_1d(self.kernel, self.elems, std::ptr::null_mut())?;
+        self.cl.finish()?;
         Ok(t.elapsed())
     }
 

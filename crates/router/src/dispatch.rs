@@ -633,20 +633,18 @@ impl State {
         }
     }
 
-    /// Hands free slots out as the scheduler picks; true if any was granted.
-    fn pump(&mut self, now: Nanos) -> bool {
+    /// Hands free slots out as the scheduler picks (`grant` wakes the tenant it concerns).
+    fn pump(&mut self, now: Nanos) {
         let before = self.next_wake.take();
-        let any = self.pump_inner(now);
+        self.pump_inner(now);
         // Waiters sleep until the earliest timed decision; one that moved earlier needs
         // someone awake to act on it.
         if self.next_wake.is_some_and(|w| before.is_none_or(|b| w < b)) {
             self.tenants.values().for_each(|s| s.cv.notify_all());
         }
-        any
     }
 
-    fn pump_inner(&mut self, now: Nanos) -> bool {
-        let mut any = false;
+    fn pump_inner(&mut self, now: Nanos) {
         loop {
             if self.inflight == 0 {
                 // The owner has drained: the device switches, waits for the owner's next
@@ -655,7 +653,6 @@ impl State {
                     self.switches += 1;
                     self.drain_ns += now.saturating_sub(since);
                     self.grant(t, now);
-                    any = true;
                     continue;
                 }
                 if let Some(until) = self.anticipating(now) {
@@ -675,10 +672,7 @@ impl State {
                 }
             }
             match self.sched.pick(now) {
-                Decision::Run(t) if self.owner.is_none_or(|o| o == t) => {
-                    self.grant(t, now);
-                    any = true;
-                }
+                Decision::Run(t) if self.owner.is_none_or(|o| o == t) => self.grant(t, now),
                 Decision::Run(t) => self.next = Some((t, now)),
                 Decision::Wait { until } => {
                     self.next_wake = Some(until);
@@ -687,7 +681,6 @@ impl State {
                 Decision::Idle => break,
             }
         }
-        any
     }
 }
 

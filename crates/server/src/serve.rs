@@ -119,6 +119,8 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
                 }
             })?;
     }
+    // A short-lived tenant may end before the next periodic sample: the router learns of
+    // the replies it did not see (their bytes) now.
     send_usage(&shared, usage_of(&shared));
     tracing::info!("router closed the control socket; exiting");
     Ok(())
@@ -165,16 +167,7 @@ fn send_usage(shared: &Shared, (dev, mem, objects, direct): (u64, u64, u64, u64)
 }
 
 /// A shadow thread: run this connection's requests in order.
-fn shadow(conn: Conn, direct: Option<Conn>, cx: Ctx) -> anyhow::Result<()> {
-    let shared = Arc::clone(&cx.shared);
-    let r = shadow_loop(conn, direct, cx);
-    // A short-lived tenant may end before the next periodic sample: the router learns of
-    // the replies it did not see (their bytes) now.
-    send_usage(&shared, usage_of(&shared));
-    r
-}
-
-fn shadow_loop(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
+fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
     let out = conn.try_clone()?;
     let mut reader = FrameReader::new(conn);
     let mut deferred: i32 = 0;
