@@ -660,9 +660,11 @@ fn draw(o: &FairOpts, p: &str, run: &Run) -> Result<()> {
 /// against native (remoting and scheduling together) and against hira's FIFO (what the
 /// policy itself costs a tenant that is alone: it should be work-conserving).
 fn lone(o: &FairOpts, short: u32, mut report: String) -> Result<String> {
-    const ROUNDS: u32 = 3;
+    // Slices of about a second: the machine's speed drifts within a minute, so the three
+    // take turns often and each round's ratio compares runs made seconds apart.
+    let rounds = (o.seconds.round() as usize).max(3);
     let policy = o.policies.first().map_or("fifo", String::as_str);
-    let each = o.seconds / f64::from(ROUNDS);
+    let each = o.seconds / rounds as f64;
     let fifo_router = router(o, "fifo", "lone-fifo")?;
     let policy_router = router(o, policy, "lone")?;
     let sockets = [
@@ -671,25 +673,40 @@ fn lone(o: &FairOpts, short: u32, mut report: String) -> Result<String> {
         Some(policy_router.socket()),
     ];
     let mut kernels = [0.0; 3];
-    for round in 0..ROUNDS {
-        eprintln!("lone tenant, round {} of {ROUNDS} ...", round + 1);
+    let (mut of_native, mut of_fifo) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        eprintln!("lone tenant, round {} of {rounds} ...", round + 1);
         // The order rotates each round, so none of the three always runs first.
+        let mut this = [0.0; 3];
         for k in 0..3 {
-            let which = (k + round as usize) % 3;
-            kernels[which] += count(spawn_tenant(o, sockets[which], short, each)?)?;
+            let which = (k + round) % 3;
+            this[which] = count(spawn_tenant(o, sockets[which], short, each)?)?;
+            kernels[which] += this[which];
         }
+        of_native.push(this[2] / this[0]);
+        of_fifo.push(this[2] / this[1]);
     }
     let [native, fifo, hira] = kernels;
     for h in [fifo_router, policy_router] {
         h.stop();
         let _ = h.wait();
     }
-    let secs = each * f64::from(ROUNDS);
+    let secs = each * rounds as f64;
     let (native, fifo, hira) = (native / secs, fifo / secs, hira / secs);
+    let range = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        format!("{:.1}–{:.1}%", 100.0 * lo, 100.0 * hi)
+    };
     let _ = writeln!(
         report,
-        "lone tenant ({policy}): native {native:.0} kernels/s, hira fifo {fifo:.0}, hira {policy} \
-         {hira:.0}; {:.1}% of native, {:.1}% of hira fifo",
+        "lone tenant ({policy}), {rounds} rounds of {each:.1} s: native {native:.0} kernels/s, \
+         hira fifo {fifo:.0}, hira {policy} {hira:.0}; per round, median {:.1}% of native \
+         ({}), {:.1}% of hira fifo ({}); pooled {:.1}% / {:.1}%",
+        100.0 * median(&of_native),
+        range(&of_native),
+        100.0 * median(&of_fifo),
+        range(&of_fifo),
         100.0 * hira / native,
         100.0 * hira / fifo
     );

@@ -344,16 +344,6 @@ fn work(cl: Cl, n: usize, size: usize) -> Result<Work> {
     Ok(w)
 }
 
-/// The median of `v` (NaN when empty).
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 /// The inner-loop count that makes one launch on buffer 0 take about `target_us`, by
 /// measuring (median of five launches at each step; launches add 0, so contents stay).
 /// Returns (iterations, µs of a launch without the loop, µs measured at the result).
@@ -364,7 +354,7 @@ fn calibrate(w: &Work, target_us: f64) -> Result<(u32, f64, f64)> {
         for _ in 0..5 {
             v.push(w.launch(0, 0)?.as_secs_f64() * 1e6);
         }
-        Ok(median(v))
+        Ok(crate::median(&v))
     };
     w.launch(0, 0)?; // warm
     let base = time(0)?;
