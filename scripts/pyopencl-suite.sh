@@ -159,22 +159,13 @@ if len(modes) == 2:
         status = 1
     else:
         h = h or {}
-        # hira forwards coarse-grained buffer SVM only (fine-grained SVM would need the
-        # application to share the server's address space; see README "Unfinished"): it
-        # reports no fine-grained capability, so test_fine_grain_svm skips. It is listed, never
-        # hidden, and only its *skip* is tolerated; the coarse-grained SVM tests must pass.
-        def known_gap(t):
-            return "::test_fine_grain_svm" in t and h.get(t) == "skipped"
-        gaps = sorted(t for t, v in n.items() if v == "passed" and known_gap(t))
-        regress = sorted(t for t, v in n.items() if v == "passed" and h.get(t) != "passed" and not known_gap(t))
+        # Every test that passes natively must pass under hira: no exceptions are listed.
+        regress = sorted(t for t, v in n.items() if v == "passed" and h.get(t) != "passed")
         better = sorted(t for t, v in n.items() if v != "passed" and h.get(t) == "passed")
         print()
         print(f"passed natively but not under hira: {len(regress)}")
         for t in regress:
             print(f"  {t}: {h.get(t, 'missing')}")
-        print(f"passed natively, skipped under hira for lack of fine-grained SVM (known gap): {len(gaps)}")
-        for t in gaps:
-            print(f"  {t}")
         if better:
             print(f"passed under hira but not natively: {len(better)}")
             for t in better:

@@ -353,6 +353,25 @@ impl Connection {
     }
 }
 
+impl Connection {
+    /// An asynchronous control frame with one fd, in order after everything batched.
+    pub fn send_control_fd(
+        &mut self,
+        opcode: u16,
+        payload: &[u8],
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<(), i32> {
+        self.flush()?;
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        w.buf.extend_from_slice(payload);
+        self.seq += 1;
+        finish_frame(&mut w.buf, Kind::Control, opcode, self.seq, flags::ASYNC, 0);
+        self.sock
+            .send(&w.buf, &[fd])
+            .map_err(|e| log_err("control frame", e))
+    }
+}
+
 fn finish_frame(buf: &mut [u8], kind: Kind, opcode: u16, seq: u64, fl: u8, bulk: u64) {
     let mut h = Header::new(kind, opcode, seq, buf.len() - HEADER_LEN);
     h.flags = fl;

@@ -1,4 +1,12 @@
-//! Coarse-grained buffer SVM across the process boundary.
+//! Shared virtual memory across the process boundary.
+//!
+//! Fine-grained allocations (offered only where the server's device is the CPU) come from an
+//! arena: a memfd this process maps and sends to the server, which maps it at the same
+//! address (`control::SVM_ARENA`). The application, the server and its kernels then touch the
+//! same bytes at the same addresses, pointers stored inside included; nothing is mirrored or
+//! copied, and the pointer the server returns is the one the application gets.
+//!
+//! Coarse-grained allocations are mirrored, as follows.
 //!
 //! The vendor allocates SVM memory inside the API server, where the application cannot see
 //! it. Coarse-grained semantics make a mirror legal: the host touches SVM memory only between
@@ -42,7 +50,104 @@ const CL_KERNEL_EXEC_INFO_SVM_PTRS: u32 = 0x11B6;
 struct Alloc {
     size: usize,
     server: u64,
-    layout: Layout,
+    /// The mirror's layout; `None` for a fine-grained allocation (no mirror: the arena's
+    /// bytes are the allocation's, and `server` is its own address).
+    layout: Option<Layout>,
+}
+
+/// Virtual address space reserved for a tenant's fine-grained SVM arena (pages are used only
+/// when touched).
+const ARENA_LEN: usize = 16 << 30;
+
+/// This process's arena, once sent to the server.
+struct GuestArena {
+    region: hira_transport::ShmRegion,
+    /// The process that made it: a forked child needs an arena (and a server) of its own.
+    pid: u32,
+}
+
+fn arena() -> MutexGuard<'static, Option<GuestArena>> {
+    static A: OnceLock<Mutex<Option<GuestArena>>> = OnceLock::new();
+    A.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sends the arena (its fd and address) on this thread's connection.
+fn send_arena(region: &hira_transport::ShmRegion) -> Result<(), i32> {
+    let mut payload = Vec::with_capacity(16);
+    payload.extend_from_slice(&(region.as_ptr() as u64).to_le_bytes());
+    payload.extend_from_slice(&(region.len() as u64).to_le_bytes());
+    rt::with_conn(|c| c.send_control_fd(hira_wire::control::SVM_ARENA, &payload, region.fd()))
+}
+
+/// A fine-grained allocation in the arena, which is made and sent on first use. When the
+/// arena's address is taken in the server, the server offers a free one: the arena is mapped
+/// there too and sent again (a few times at most).
+fn fine_alloc(context: *mut c_void, flags: u64, size: usize, alignment: u32) -> *mut c_void {
+    let mut st = arena();
+    let pid = std::process::id();
+    if st.as_ref().is_some_and(|a| a.pid != pid) {
+        // Inherited from the parent, whose allocations still live in it: keep it mapped.
+        std::mem::forget(st.take());
+    }
+    if st.is_none() {
+        let made = hira_transport::ShmRegion::create("hira-svm", ARENA_LEN)
+            .map_err(|e| log(&format!("clSVMAlloc: no arena: {e}")))
+            .ok()
+            .filter(|r| send_arena(r).is_ok());
+        let Some(region) = made else {
+            return std::ptr::null_mut();
+        };
+        *st = Some(GuestArena { region, pid });
+    }
+    for _ in 0..4 {
+        let reply = (|| {
+            let mut c = Call::new(OP_CLSVMALLOC);
+            c.handle(context);
+            c.u64(flags);
+            c.u64(size as u64);
+            c.u64(u64::from(alignment));
+            let mut r = c.sync()?;
+            let _status = r.i32()?;
+            let p = r.u64()?;
+            Ok::<_, i32>((p, r.u64().unwrap_or(0)))
+        })();
+        let (p, offer) = reply.unwrap_or((0, 0));
+        if p != 0 {
+            allocs().insert(
+                p as usize,
+                Alloc {
+                    size,
+                    server: p,
+                    layout: None,
+                },
+            );
+            return p as usize as *mut c_void;
+        }
+        let Some(cur) = st.as_ref() else { break };
+        if offer == 0 || offer as usize == cur.region.as_ptr() as usize {
+            break;
+        }
+        match cur.region.map_again_at(offer as usize) {
+            Ok(twin) if send_arena(&twin).is_ok() => {
+                log("clSVMAlloc: arena moved to the address the server offered");
+                *st = Some(GuestArena { region: twin, pid });
+            }
+            _ => break,
+        }
+    }
+    log("clSVMAlloc: no fine-grained SVM memory");
+    std::ptr::null_mut()
+}
+
+/// Whether `p` lies in a fine-grained allocation.
+fn is_fine(p: *const c_void) -> bool {
+    let p = p as usize;
+    let a = allocs();
+    a.range(..=p)
+        .next_back()
+        .is_some_and(|(&base, al)| al.layout.is_none() && p - base < al.size.max(1))
 }
 
 fn allocs() -> MutexGuard<'static, BTreeMap<usize, Alloc>> {
@@ -120,8 +225,7 @@ pub unsafe extern "C" fn clSVMAlloc(
 ) -> *mut c_void {
     null_on_panic(|| {
         if flags & (CL_MEM_SVM_FINE_GRAIN_BUFFER | CL_MEM_SVM_ATOMICS) != 0 {
-            // Not advertised (a mirror cannot be shared at fine grain).
-            return std::ptr::null_mut();
+            return fine_alloc(context, flags, size, alignment);
         }
         let server = (|| {
             let mut c = Call::new(OP_CLSVMALLOC);
@@ -154,7 +258,7 @@ pub unsafe extern "C" fn clSVMAlloc(
             Alloc {
                 size,
                 server,
-                layout,
+                layout: Some(layout),
             },
         );
         p as *mut c_void
@@ -180,9 +284,11 @@ fn drop_mirror(base: usize, a: Alloc) {
     let end = base + a.size.max(1);
     maps().retain(|&p, _| p < base || p >= end);
     crate::staged::discard(base, end);
-    // SAFETY: allocated in clSVMAlloc with this layout; removed from the table above, so
-    // nothing of ours refers to it any more.
-    unsafe { std::alloc::dealloc(base as *mut u8, a.layout) };
+    if let Some(layout) = a.layout {
+        // SAFETY: allocated in clSVMAlloc with this layout; removed from the table above, so
+        // nothing of ours refers to it any more.
+        unsafe { std::alloc::dealloc(base as *mut u8, layout) };
+    }
 }
 
 /// # Safety
@@ -491,11 +597,19 @@ pub unsafe extern "C" fn clEnqueueSVMMap(
         if size == 0 || size > left {
             return Ok(CL_INVALID_VALUE);
         }
-        let writes = flags & (CL_MAP_WRITE | CL_MAP_WRITE_INVALIDATE_REGION) != 0;
+        let fine = is_fine(svm_ptr);
+        // A fine-grained region has no mirror: its unmap has nothing to send back.
+        let writes = !fine && flags & (CL_MAP_WRITE | CL_MAP_WRITE_INVALIDATE_REGION) != 0;
         let mut staging = 0;
-        let ret = if flags & CL_MAP_WRITE_INVALIDATE_REGION != 0 {
-            // Nothing to fetch: the mirror is the application's until the unmap. A blocking
-            // map still returns only once what it waits for has completed.
+        let ret = if fine {
+            // The region is the allocation: a marker orders the map, and a blocking map
+            // returns once it (so everything before it in the queue) has completed.
+            // SAFETY: forwarded arguments.
+            unsafe { ordered_marker(queue, blocking != 0, nwait, wait, event) }
+        } else if flags & CL_MAP_WRITE_INVALIDATE_REGION != 0 {
+            // Nothing to fetch: the mirror is the application's until the unmap (a
+            // fine-grained region is the allocation itself). A blocking map still returns
+            // only once what it waits for has completed.
             // SAFETY: forwarded arguments.
             unsafe { invalidate_map(queue, blocking, nwait, wait, event) }
         } else {
@@ -550,7 +664,22 @@ unsafe fn invalidate_map(
     wait: *const *mut c_void,
     event: *mut *mut c_void,
 ) -> i32 {
-    if blocking == 0 || nwait == 0 {
+    // SAFETY: forwarded arguments.
+    unsafe { ordered_marker(queue, blocking != 0 && nwait != 0, nwait, wait, event) }
+}
+
+/// A marker after `wait` (or everything before it), waited for when `block`.
+///
+/// # Safety
+/// As `clEnqueueMarkerWithWaitList`.
+unsafe fn ordered_marker(
+    queue: *mut c_void,
+    block: bool,
+    nwait: u32,
+    wait: *const *mut c_void,
+    event: *mut *mut c_void,
+) -> i32 {
+    if !block {
         // SAFETY: forwarded arguments.
         return unsafe { stubs::clEnqueueMarkerWithWaitList(queue, nwait, wait, event) };
     }

@@ -1456,7 +1456,7 @@ fn flush(to: &Conn, batch: &mut Vec<u8>) -> hira_transport::Result<()> {
 fn refuse(h: &Header) -> Option<String> {
     match (h.kind, h.opcode) {
         (Kind::Request, _) => None,
-        (Kind::Control, control::PING | control::SHM_GROW) => None,
+        (Kind::Control, control::PING | control::SHM_GROW | control::SVM_ARENA) => None,
         (kind, op) => Some(format!(
             "{kind:?} frame with opcode {op} not allowed from a guest"
         )),
@@ -1577,7 +1577,9 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
                 t.dispatch.cancel(m.id);
             }
             r
-        } else if h.kind == Kind::Control && h.opcode == control::SHM_GROW {
+        } else if h.kind == Kind::Control
+            && matches!(h.opcode, control::SHM_GROW | control::SVM_ARENA)
+        {
             let frame = frame.to_vec();
             match reader.take_fd() {
                 Some(fd) => {
@@ -1588,7 +1590,7 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
                         m,
                         link,
                         last_seq,
-                        "SHM_GROW without an fd",
+                        "SHM_GROW or SVM_ARENA without an fd",
                         r_end,
                         &mut batch,
                     );

@@ -12,8 +12,8 @@ pub use crate::svm::{
     h_clSetKernelArgSVMPointer, h_clSetKernelExecInfo,
 };
 
-/// Device info as the tenant sees it: of SVM only coarse-grained buffers are forwarded, so
-/// fine-grained and atomic SVM are not advertised; the quota bounds the memory sizes.
+/// Device info as the tenant sees it: of SVM, what hira forwards (`svm::capabilities`:
+/// fine-grained only on a CPU device, never system SVM); the quota bounds the memory sizes.
 pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
     let device = cx.handle(r.u64()?, K_DEVICE)?;
     let param = r.u64()? as u32;
@@ -42,7 +42,7 @@ pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fai
         match param {
             CL_DEVICE_SVM_CAPABILITIES | crate::svm::CL_DEVICE_SVM_CAPABILITIES_ARM => {
                 // SAFETY: at least 8 bytes at v, a cl_bitfield result.
-                unsafe { *v &= crate::svm::CL_DEVICE_SVM_COARSE_GRAIN_BUFFER }
+                unsafe { *v = crate::svm::capabilities(cx, device, *v) }
             }
             CL_DEVICE_GLOBAL_MEM_SIZE | CL_DEVICE_MAX_MEM_ALLOC_SIZE if quota != 0 => {
                 // SAFETY: at least 8 bytes at v, a cl_ulong result.

@@ -5,6 +5,7 @@
 //! time from profiling events. It trusts nothing it receives.
 #![allow(non_snake_case)]
 
+mod arena;
 mod ctx;
 mod custom;
 mod expr;

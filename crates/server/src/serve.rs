@@ -194,6 +194,14 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
                 res
             }
             (Kind::Control, control::PING) => Ok(Writer::default()),
+            (Kind::Control, control::SVM_ARENA) => {
+                let mut rd = Reader::new(payload);
+                match (rd.u64(), rd.u64(), reader.take_fd()) {
+                    (Ok(addr), Ok(len), Some(fd)) => cx.shared.svm.take_arena(fd, addr, len),
+                    _ => tracing::warn!("malformed SVM_ARENA refused"),
+                }
+                continue;
+            }
             (Kind::Control, control::SHM_GROW) => {
                 let len = Reader::new(payload).u64()?;
                 let fd = reader.take_fd().context("SHM_GROW without a region")?;

@@ -1,4 +1,7 @@
-//! Coarse-grained buffer SVM, the server half.
+//! Shared virtual memory, the server half. Fine-grained allocations live in the tenant's
+//! arena, mapped at the same address in the guest ([`crate::arena`]): their pointers need no
+//! translation and no copy, and the vendor takes them as it takes its own. What follows is
+//! about coarse-grained allocations, which the vendor makes.
 //!
 //! The vendor allocates SVM memory inside this process, where the application cannot see it.
 //! The guest gives the application a mirror of every allocation and sends, wherever the API
@@ -14,13 +17,15 @@
 //! commands, so they honour the wait list and queue order, give the application real events,
 //! and never leave the allocation mapped in the server between requests.
 
+use crate::arena::{self, Arena, Refused};
 use crate::ctx::{Ctx, Fail};
 use hira_opencl::cl::*;
 use hira_opencl::*;
 use hira_wire::{Blob, OutSpec, Reader, Writer};
 use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::sync::atomic::Ordering;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// A `cl_mem_flags` bit no OpenCL flag uses: the guest sets it on clCreateBuffer(WithProperties)
@@ -29,9 +34,15 @@ use std::sync::{Mutex, MutexGuard};
 /// The same value is in `crates/guest/src/svm.rs`.
 pub const HOST_PTR_IS_SVM: u64 = 1 << 63;
 
-/// The one SVM capability hira reports (fine-grained and atomic SVM would need the
-/// application to share the server's address space).
+/// SVM capabilities hira can offer: coarse-grained buffers on any device; fine-grained
+/// buffers and atomics only where a kernel reaches host memory (a CPU device), through the
+/// arena. Fine-grained *system* SVM (any malloc'd pointer) cannot cross a process boundary.
 pub const CL_DEVICE_SVM_COARSE_GRAIN_BUFFER: u64 = 1;
+const CL_DEVICE_SVM_FINE_GRAIN_BUFFER: u64 = 2;
+const CL_DEVICE_SVM_ATOMICS: u64 = 8;
+const CL_CONTEXT_DEVICES: u32 = 0x1081;
+const CL_DEVICE_TYPE: u32 = 0x1000;
+const CL_DEVICE_TYPE_CPU: u64 = 1 << 1;
 /// `cl_arm_shared_virtual_memory`'s name for the same query.
 pub const CL_DEVICE_SVM_CAPABILITIES_ARM: u32 = 0x40B6;
 
@@ -56,12 +67,18 @@ struct Alloc {
     size: usize,
     /// The vendor context (the table holds a reference on it while the allocation lives).
     context: usize,
+    /// In the arena (fine-grained), not made by the vendor.
+    fine: bool,
 }
 
 /// The tenant's SVM allocations (base address → allocation), shared by all its connections.
 #[derive(Default)]
 pub(crate) struct Table {
     allocs: Mutex<BTreeMap<usize, Alloc>>,
+    /// The fine-grained arena, once the guest sent one that could be mapped.
+    arena: Mutex<Option<Arena>>,
+    /// A free address to offer the guest after its arena's address was taken here (0: none).
+    offer: AtomicU64,
 }
 
 impl Table {
@@ -90,6 +107,101 @@ impl Table {
     pub(crate) fn len(&self) -> usize {
         self.lock().len()
     }
+
+    fn arena(&self) -> MutexGuard<'_, Option<Arena>> {
+        self.arena.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `control::SVM_ARENA`: map the guest's arena at its address. A tenant has one arena;
+    /// failures are logged, and the next fine-grained clSVMAlloc reports them to the guest
+    /// (with a free address to try when the guest's was taken here).
+    pub(crate) fn take_arena(&self, fd: OwnedFd, addr: u64, len: u64) {
+        let mut slot = self.arena();
+        if slot.is_some() {
+            tracing::warn!("second SVM arena refused: the tenant has one");
+            return;
+        }
+        match Arena::map(fd, addr, len) {
+            Ok(a) => {
+                tracing::debug!(
+                    base = format_args!("{:#x}", a.base()),
+                    len,
+                    "SVM arena mapped"
+                );
+                *slot = Some(a);
+            }
+            Err(Refused::Taken(offer)) => {
+                tracing::info!(
+                    addr = format_args!("{addr:#x}"),
+                    offer = format_args!("{offer:#x}"),
+                    "SVM arena address taken in the server; offering another"
+                );
+                self.offer.store(offer as u64, Ordering::Relaxed);
+            }
+            Err(Refused::Bad(why)) => tracing::warn!(%why, "SVM arena refused"),
+        }
+    }
+}
+
+/// Whether `device` can take arena memory as fine-grained SVM: a kernel on a CPU device
+/// reaches any memory of the server process (`HIRA_FINE_SVM=0` turns the offer off).
+pub(crate) fn fine_grain_device(cx: &Ctx, device: *mut c_void) -> bool {
+    if std::env::var_os("HIRA_FINE_SVM").is_some_and(|v| v == "0") {
+        return false;
+    }
+    let Some(f) = cx.api.clGetDeviceInfo else {
+        return false;
+    };
+    let (mut ty, mut caps) = (0u64, 0u64);
+    // SAFETY: 8-byte outputs for two cl_bitfield queries on a validated device.
+    let ok = unsafe {
+        f(
+            device,
+            CL_DEVICE_TYPE,
+            8,
+            &mut ty as *mut u64 as *mut c_void,
+            std::ptr::null_mut(),
+        ) == CL_SUCCESS
+            && f(
+                device,
+                CL_DEVICE_SVM_CAPABILITIES,
+                8,
+                &mut caps as *mut u64 as *mut c_void,
+                std::ptr::null_mut(),
+            ) == CL_SUCCESS
+    };
+    ok && ty & CL_DEVICE_TYPE_CPU != 0 && caps & CL_DEVICE_SVM_FINE_GRAIN_BUFFER != 0
+}
+
+/// The SVM capabilities a tenant sees, from the vendor's.
+pub(crate) fn capabilities(cx: &Ctx, device: *mut c_void, vendor: u64) -> u64 {
+    let offered = if fine_grain_device(cx, device) {
+        CL_DEVICE_SVM_COARSE_GRAIN_BUFFER | CL_DEVICE_SVM_FINE_GRAIN_BUFFER | CL_DEVICE_SVM_ATOMICS
+    } else {
+        CL_DEVICE_SVM_COARSE_GRAIN_BUFFER
+    };
+    vendor & offered
+}
+
+/// Whether every device of `context` takes arena memory.
+fn fine_grain_context(cx: &Ctx, context: *mut c_void) -> bool {
+    let Some(f) = cx.api.clGetContextInfo else {
+        return false;
+    };
+    let mut devs = [std::ptr::null_mut::<c_void>(); 16];
+    let mut got = 0usize;
+    // SAFETY: a validated context; room for 16 device handles.
+    let r = unsafe {
+        f(
+            context,
+            CL_CONTEXT_DEVICES,
+            std::mem::size_of_val(&devs),
+            devs.as_mut_ptr() as *mut c_void,
+            &mut got,
+        )
+    };
+    let n = got / std::mem::size_of::<*mut c_void>();
+    r == CL_SUCCESS && n > 0 && devs[..n].iter().all(|&d| fine_grain_device(cx, d))
 }
 
 /// A server pointer a tenant sent, checked: `[ptr, ptr + len)` must lie inside one of this
@@ -172,9 +284,6 @@ pub fn h_clSVMAlloc(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
         w.u64(0);
         Ok(w)
     };
-    if flags & (CL_MEM_SVM_FINE_GRAIN_BUFFER | CL_MEM_SVM_ATOMICS) != 0 {
-        return refuse(CL_INVALID_VALUE, "fine-grained SVM is not offered");
-    }
     let (Ok(alignment), Ok(bytes)) = (u32::try_from(alignment), usize::try_from(size)) else {
         return refuse(CL_INVALID_VALUE, "alignment or size out of range");
     };
@@ -184,12 +293,43 @@ pub fn h_clSVMAlloc(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
     if quota != 0 && held.saturating_add(size) > quota {
         return refuse(CL_MEM_OBJECT_ALLOCATION_FAILURE, "over the tenant's quota");
     }
-    let f = cx.api.clSVMAlloc.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
-    // SAFETY: a validated context; the vendor checks flags, size and alignment.
-    let p = unsafe { f(context, flags, bytes, alignment) };
-    if p.is_null() {
-        return refuse(CL_MEM_OBJECT_ALLOCATION_FAILURE, "the vendor returned NULL");
-    }
+    let fine = flags & (CL_MEM_SVM_FINE_GRAIN_BUFFER | CL_MEM_SVM_ATOMICS) != 0;
+    let p = if fine {
+        if flags & CL_MEM_SVM_FINE_GRAIN_BUFFER == 0 {
+            return refuse(CL_INVALID_VALUE, "SVM atomics without fine grain");
+        }
+        if !fine_grain_context(cx, context) {
+            return refuse(
+                CL_INVALID_VALUE,
+                "fine-grained SVM is not offered on this device",
+            );
+        }
+        let mut arena = cx.shared.svm.arena();
+        let Some(arena) = arena.as_mut() else {
+            // The guest maps its arena again at the offered address and retries.
+            let mut w = Writer::default();
+            w.i32(CL_MEM_OBJECT_ALLOCATION_FAILURE);
+            w.u64(0);
+            w.u64(cx.shared.svm.offer.swap(0, Ordering::Relaxed));
+            return Ok(w);
+        };
+        let align = match alignment {
+            0 => arena::GRAIN,
+            a => a as usize,
+        };
+        match arena.alloc(bytes, align) {
+            Some(p) => p as *mut c_void,
+            None => return refuse(CL_MEM_OBJECT_ALLOCATION_FAILURE, "the arena is full"),
+        }
+    } else {
+        let f = cx.api.clSVMAlloc.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+        // SAFETY: a validated context; the vendor checks flags, size and alignment.
+        let p = unsafe { f(context, flags, bytes, alignment) };
+        if p.is_null() {
+            return refuse(CL_MEM_OBJECT_ALLOCATION_FAILURE, "the vendor returned NULL");
+        }
+        p
+    };
     if let Some(retain) = cx.api.clRetainContext {
         // SAFETY: a live context; released when the allocation is freed.
         unsafe { retain(context) };
@@ -199,6 +339,7 @@ pub fn h_clSVMAlloc(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
         Alloc {
             size: bytes,
             context: context as usize,
+            fine,
         },
     );
     cx.shared.mem_bytes.fetch_add(size, Ordering::Relaxed);
@@ -208,13 +349,19 @@ pub fn h_clSVMAlloc(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
     Ok(w)
 }
 
-/// An allocation left the table (its vendor memory is freed or about to be).
-fn forgotten(cx: &Ctx, a: &Alloc) {
-    let held = cx.shared.mem_bytes.load(Ordering::Relaxed);
-    cx.shared
+/// An allocation left the table (its vendor memory is freed or about to be; an arena
+/// allocation goes back to the arena here).
+fn forgotten(shared: &crate::ctx::Shared, base: usize, a: &Alloc) {
+    if a.fine {
+        if let Some(arena) = shared.svm.arena().as_mut() {
+            arena.free(base, a.size);
+        }
+    }
+    let held = shared.mem_bytes.load(Ordering::Relaxed);
+    shared
         .mem_bytes
         .fetch_sub((a.size as u64).min(held), Ordering::Relaxed);
-    if let Some(release) = cx.api.clReleaseContext {
+    if let Some(release) = shared.api.clReleaseContext {
         // SAFETY: the reference taken in h_clSVMAlloc.
         unsafe { release(a.context as *mut c_void) };
     }
@@ -245,12 +392,12 @@ pub fn h_clSVMFree(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
         );
         return status(CL_INVALID_VALUE);
     };
-    if let Some(f) = cx.api.clSVMFree {
+    if let (Some(f), false) = (cx.api.clSVMFree, a.fine) {
         // SAFETY: ptr is the base of a live allocation of this context (removed from the
         // table above, so no other request can name it any more).
         unsafe { f(context, ptr as usize as *mut c_void) };
     }
-    forgotten(cx, &a);
+    forgotten(&cx.shared, ptr as usize, &a);
     status(CL_SUCCESS)
 }
 
@@ -318,31 +465,132 @@ pub fn h_clEnqueueSVMFree(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fa
             .filter_map(|b| map.remove(&b).map(|a| (b, a)))
             .collect()
     };
-    let mut raw: Vec<*mut c_void> = ptrs.iter().map(|&p| p as usize as *mut c_void).collect();
+    let (fine, vendor): (Vec<(usize, Alloc)>, Vec<(usize, Alloc)>) =
+        taken.into_iter().partition(|(_, a)| a.fine);
+    let mut raw: Vec<*mut c_void> = vendor.iter().map(|&(b, _)| b as *mut c_void).collect();
     let mut ev: *mut c_void = std::ptr::null_mut();
-    // SAFETY: a validated queue and wait list; every pointer is the base of a live allocation
-    // of the queue's context, held by nobody else now; no callback, so the vendor frees them.
-    let ret = unsafe {
-        f(
-            queue,
-            n as u32,
-            raw.as_mut_ptr(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            nwait,
-            wait.ptr(),
-            &mut ev,
-        )
-    };
-    if ret == CL_SUCCESS {
-        for (_, a) in &taken {
-            forgotten(cx, a);
+    let mut ret = CL_SUCCESS;
+    let vendor_freed = !raw.is_empty();
+    if vendor_freed {
+        // SAFETY: a validated queue and wait list; every pointer is the base of a live
+        // allocation of the queue's context, held by nobody else now; no callback, so the
+        // vendor frees them.
+        ret = unsafe {
+            f(
+                queue,
+                raw.len() as u32,
+                raw.as_mut_ptr(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                nwait,
+                wait.ptr(),
+                &mut ev,
+            )
+        };
+    }
+    if ret == CL_SUCCESS && !fine.is_empty() {
+        // Arena memory goes back to the arena once a marker behind the free has completed.
+        let after: Vec<*mut c_void> = if ev.is_null() {
+            // SAFETY: nwait validated handles.
+            (0..nwait as usize)
+                .map(|i| unsafe { *wait.ptr().add(i) })
+                .collect()
+        } else {
+            vec![ev]
+        };
+        match free_after_marker(cx, queue, &after, fine) {
+            Ok(marker) => {
+                if !ev.is_null() {
+                    if let Some(rel) = cx.api.clReleaseEvent {
+                        // SAFETY: the vendor free's event; the marker's stands for both.
+                        unsafe { rel(ev) };
+                    }
+                }
+                ev = marker;
+            }
+            Err((code, fine)) => {
+                ret = code;
+                cx.shared.svm.lock().extend(fine);
+            }
+        }
+    }
+    if ret == CL_SUCCESS || (vendor_freed && !ev.is_null()) {
+        // Enqueued with the vendor: its memory is as good as gone.
+        for (b, a) in &vendor {
+            forgotten(&cx.shared, *b, a);
         }
     } else {
-        cx.shared.svm.lock().extend(taken);
+        cx.shared.svm.lock().extend(vendor);
     }
     enqueued(cx, ret, ev, event_id)?;
     status(ret)
+}
+
+struct ArenaFree {
+    shared: std::sync::Arc<crate::ctx::Shared>,
+    allocs: Vec<(usize, Alloc)>,
+}
+
+extern "C" fn arena_free_tramp(ev: *mut c_void, _status: i32, ud: *mut c_void) {
+    let _ = ev;
+    // SAFETY: the box made in free_after_marker, handed over exactly once.
+    let f = unsafe { Box::from_raw(ud as *mut ArenaFree) };
+    for (b, a) in &f.allocs {
+        forgotten(&f.shared, *b, a);
+    }
+}
+
+/// A marker after `after` (or after everything before it) whose completion frees `allocs`
+/// in the arena; returns its event. On failure the allocations come back with the error.
+#[allow(clippy::type_complexity)]
+fn free_after_marker(
+    cx: &Ctx,
+    queue: *mut c_void,
+    after: &[*mut c_void],
+    allocs: Vec<(usize, Alloc)>,
+) -> Result<*mut c_void, (i32, Vec<(usize, Alloc)>)> {
+    let (Some(marker), Some(set_cb)) = (
+        cx.api.clEnqueueMarkerWithWaitList,
+        cx.api.clSetEventCallback,
+    ) else {
+        return Err((CL_INVALID_OPERATION, allocs));
+    };
+    let mut ev: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a validated queue; `after` holds live events.
+    let r = unsafe {
+        marker(
+            queue,
+            after.len() as u32,
+            if after.is_empty() {
+                std::ptr::null()
+            } else {
+                after.as_ptr()
+            },
+            &mut ev,
+        )
+    };
+    if r != CL_SUCCESS {
+        return Err((r, allocs));
+    }
+    let ud = Box::into_raw(Box::new(ArenaFree {
+        shared: cx.shared.clone(),
+        allocs,
+    }));
+    // SAFETY: a live event; the trampoline takes the box back exactly once.
+    let r = unsafe {
+        set_cb(
+            ev,
+            CL_COMPLETE,
+            arena_free_tramp as *mut c_void,
+            ud as *mut c_void,
+        )
+    };
+    if r != CL_SUCCESS {
+        // SAFETY: the callback was not registered, so the box is still ours.
+        let back = unsafe { Box::from_raw(ud) };
+        return Err((r, back.allocs));
+    }
+    Ok(ev)
 }
 
 // ---- Copies -------------------------------------------------------------------------------
@@ -723,7 +971,14 @@ mod tests {
     fn table(allocs: &[(usize, usize)]) -> Table {
         let t = Table::default();
         for &(base, size) in allocs {
-            t.lock().insert(base, Alloc { size, context: 1 });
+            t.lock().insert(
+                base,
+                Alloc {
+                    size,
+                    context: 1,
+                    fine: false,
+                },
+            );
         }
         t
     }

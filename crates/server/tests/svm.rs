@@ -32,6 +32,10 @@ const DST_SVM: u64 = 0;
 const DST_REPLY: u64 = 1;
 const SRC_SVM: u64 = 0;
 const SRC_BYTES: u64 = 1;
+const CL_MEM_OBJECT_ALLOCATION_FAILURE: i32 = -4;
+const CL_MEM_SVM_FINE_GRAIN_BUFFER: u64 = 1 << 10;
+/// `hira_wire::control::SVM_ARENA`.
+const ARENA_LEN: usize = 4 << 20;
 const REFUSED_LOG: &str = "SVM pointer outside this tenant's allocations refused";
 
 /// Not a test: the server process (see the module doc). Does nothing in a normal run.
@@ -227,6 +231,54 @@ impl Client {
         w.blob(Blob::Inline(&ptr.to_le_bytes()));
         no_events(&mut w);
         self.code(OP_CLENQUEUESVMFREE, &w)
+    }
+
+    /// A fine-grained clSVMAlloc: (ret, pointer, offered address).
+    fn fine_alloc(&mut self, context: u64, size: u64) -> (i32, u64, u64) {
+        let mut w = Writer::default();
+        w.u64(context);
+        w.u64(CL_MEM_READ_WRITE | CL_MEM_SVM_FINE_GRAIN_BUFFER);
+        w.u64(size);
+        w.u64(0);
+        let (status, rest) = self.call(OP_CLSVMALLOC, &w);
+        assert_eq!(status, 0);
+        let mut r = Reader::new(&rest);
+        let ret = r.i32().expect("ret");
+        let p = r.u64().expect("pointer");
+        (ret, p, r.u64().unwrap_or(0))
+    }
+
+    /// `control::SVM_ARENA`: the memfd and the address this process mapped it at.
+    fn send_arena(&mut self, fd: std::os::fd::BorrowedFd<'_>, addr: usize, len: usize) {
+        let mut w = Writer::default();
+        w.u64(addr as u64);
+        w.u64(len as u64);
+        self.seq += 1;
+        let mut h = Header::new(
+            hira_wire::Kind::Control,
+            hira_wire::control::SVM_ARENA,
+            self.seq,
+            w.buf.len(),
+        );
+        h.flags = hira_wire::flags::ASYNC;
+        let mut buf = h.to_bytes().to_vec();
+        buf.extend_from_slice(&w.buf);
+        self.conn.send(&buf, &[fd]).expect("send arena");
+    }
+
+    fn launch(&mut self, queue: u64, kernel: u64, items: u64) {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(kernel);
+        w.u64(1);
+        w.blob(Blob::Null);
+        w.blob(Blob::Inline(&items.to_le_bytes()));
+        w.blob(Blob::Null);
+        no_events(&mut w);
+        self.ok(OP_CLENQUEUENDRANGEKERNEL, &w);
+        let mut w = Writer::default();
+        w.u64(queue);
+        self.ok(OP_CLFINISH, &w);
     }
 
     fn svm_free(&mut self, context: u64, ptr: u64) -> i32 {
@@ -508,7 +560,12 @@ fn svm_pointers_inside_the_tenants_allocations_work() {
     let freed = t.c.svm_free(t.context, p);
     let use_after_free = t.c.fill(t.queue, p, 0, 4);
 
-    assert_eq!(caps, 1, "only CL_DEVICE_SVM_COARSE_GRAIN_BUFFER");
+    assert_eq!(
+        caps,
+        1 | 2 | 8,
+        "coarse-grained buffers, and on a CPU device fine-grained buffers and atomics \
+         (never fine-grained system SVM)"
+    );
     assert_eq!((wrote, copied, ret), (0, 0, 0));
     assert!(
         back == want,
@@ -530,4 +587,83 @@ fn svm_pointers_inside_the_tenants_allocations_work() {
         use_after_free, CL_INVALID_VALUE,
         "a freed allocation is gone"
     );
+}
+
+/// Fine-grained SVM: the tenant's arena is mapped by the server at the address the tenant
+/// mapped it at, allocations come out of it, and a kernel's writes show in the tenant's own
+/// mapping with no copy. Pointers outside the allocations stay refused; a second arena and
+/// an arena the tenant could shrink are refused.
+#[test]
+fn fine_grained_svm_is_the_same_memory_at_the_same_address() {
+    const SIZE: u64 = 1 << 16;
+    let mut t = tenant();
+    let before = t.c.fine_alloc(t.context, SIZE);
+    let mut arena = hira_transport::ShmRegion::create("arena", ARENA_LEN).expect("memfd");
+    t.c.send_arena(arena.fd(), arena.as_ptr() as usize, ARENA_LEN);
+    let (mut ret, mut p, offer) = t.c.fine_alloc(t.context, SIZE);
+    if p == 0 && offer != 0 {
+        // The address was taken in the server: map the arena where it offers, as the guest does.
+        arena = arena.map_again_at(offer as usize).expect("offered address");
+        t.c.send_arena(arena.fd(), arena.as_ptr() as usize, ARENA_LEN);
+        (ret, p, _) = t.c.fine_alloc(t.context, SIZE);
+    }
+    let base = arena.as_ptr() as u64;
+    let inside = p >= base && p + SIZE <= base + ARENA_LEN as u64;
+    let data = pattern(SIZE as usize, 7);
+    arena.write_at(p - base, &data).expect("write");
+    let arg = t.c.kernel_arg(t.kernel, p);
+    t.c.launch(t.queue, t.kernel, SIZE / 4);
+    let mut after = vec![0u8; SIZE as usize];
+    arena.read_at(p - base, &mut after).expect("read");
+    let inc: Vec<u8> = data
+        .chunks(4)
+        .flat_map(|c| {
+            u32::from_le_bytes(c.try_into().expect("4 bytes"))
+                .wrapping_add(1)
+                .to_le_bytes()
+        })
+        .collect();
+    let (copy_ret, copied) = t.c.read(t.queue, p + 4, 8);
+    let past_end = t.c.kernel_arg(t.kernel, p + SIZE);
+    let other = hira_transport::ShmRegion::create("arena2", ARENA_LEN).expect("memfd");
+    t.c.send_arena(other.fd(), other.as_ptr() as usize, ARENA_LEN);
+    let second = t.server.log_count("second SVM arena refused", 1);
+    let freed = t.c.svm_free(t.context, p);
+    let use_after_free = t.c.fill(t.queue, p, 0, 4);
+    let (again, q, _) = t.c.fine_alloc(t.context, SIZE);
+
+    // Another tenant sends an arena it could still shrink.
+    let mut u = tenant();
+    // SAFETY: memfd_create with a literal name; the fd is owned below.
+    let raw = unsafe { libc::memfd_create(c"plain".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(raw >= 0);
+    // SAFETY: just created, owned by nobody else.
+    let plain = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+    // SAFETY: ftruncate on our fd.
+    assert_eq!(unsafe { libc::ftruncate(raw, ARENA_LEN as i64) }, 0);
+    use std::os::fd::AsFd;
+    u.c.send_arena(
+        plain.as_fd(),
+        other.as_ptr() as usize + ARENA_LEN,
+        ARENA_LEN,
+    );
+    let unsealed = u.c.fine_alloc(u.context, SIZE);
+
+    assert_eq!(
+        before,
+        (CL_MEM_OBJECT_ALLOCATION_FAILURE, 0, 0),
+        "no arena yet"
+    );
+    assert_eq!(ret, 0);
+    assert!(inside, "allocation {p:#x} outside the arena at {base:#x}");
+    assert_eq!(arg, 0);
+    assert!(after == inc, "the kernel wrote the tenant's own mapping");
+    assert_eq!(copy_ret, 0);
+    assert_eq!(copied, inc[4..12], "SVM copies read the arena too");
+    assert_eq!(past_end, CL_INVALID_ARG_VALUE);
+    assert_eq!(second, 1);
+    assert_eq!((freed, use_after_free), (0, CL_INVALID_VALUE));
+    assert_eq!((again, q), (0, p), "freed arena memory is reused");
+    assert_eq!(unsealed, (CL_MEM_OBJECT_ALLOCATION_FAILURE, 0, 0));
+    assert_eq!(u.server.log_count("SVM arena refused", 1), 1);
 }

@@ -64,7 +64,15 @@ impl ShmRegion {
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
             return Err(io::Error::last_os_error().into());
         }
-        Self::map(fd, len, true)
+        Self::map(fd, len, true, None)
+    }
+
+    /// A second mapping of this region's file at exactly `addr` (`MAP_FIXED_NOREPLACE`:
+    /// nothing already mapped there is replaced); `AddrInUse` if the range is taken. Two
+    /// processes that map one file at the same address can share memory holding pointers.
+    pub fn map_again_at(&self, addr: usize) -> Result<ShmRegion> {
+        let fd = self.fd.try_clone()?;
+        Self::map(fd, self.len, self.shrink_sealed, Some(addr))
     }
 
     /// Maps a region received from a peer.
@@ -75,6 +83,12 @@ impl ShmRegion {
     /// at least `len` bytes: mapping past the end of a smaller file would
     /// fault on access. Rejects `len == 0` and `len > 1 << 40`.
     pub fn from_fd(fd: OwnedFd, len: usize) -> Result<ShmRegion> {
+        Self::from_fd_at(fd, len, None)
+    }
+
+    /// [`ShmRegion::from_fd`], mapped at exactly `addr` when given (`MAP_FIXED_NOREPLACE`;
+    /// `AddrInUse` if anything is mapped in the range).
+    pub fn from_fd_at(fd: OwnedFd, len: usize, addr: Option<usize>) -> Result<ShmRegion> {
         check_len(len)?;
         // Seal before checking the size, so the size cannot shrink between
         // the check and the mapping.
@@ -105,25 +119,42 @@ impl ShmRegion {
                 actual,
             });
         }
-        Self::map(fd, len, shrink_sealed)
+        Self::map(fd, len, shrink_sealed, addr)
     }
 
-    fn map(fd: OwnedFd, len: usize, shrink_sealed: bool) -> Result<ShmRegion> {
-        // SAFETY: a fresh shared mapping chosen by the kernel (no fixed
-        // address) cannot alias existing Rust memory; `fd` is open and `len`
-        // is non-zero.
+    fn map(fd: OwnedFd, len: usize, shrink_sealed: bool, at: Option<usize>) -> Result<ShmRegion> {
+        let (hint, fixed) = match at {
+            Some(a) if a % page_size() != 0 || a.checked_add(len).is_none() => {
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad address").into());
+            }
+            Some(a) => (a as *mut libc::c_void, libc::MAP_FIXED_NOREPLACE),
+            None => (std::ptr::null_mut(), 0),
+        };
+        // SAFETY: a fresh shared mapping; with MAP_FIXED_NOREPLACE the kernel refuses a
+        // range that overlaps any existing mapping, so no existing memory (Rust's or
+        // anyone's) is replaced or aliased; `fd` is open and `len` is non-zero.
         let ptr = unsafe {
             libc::mmap(
-                std::ptr::null_mut(),
+                hint,
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | fixed,
                 fd.as_raw_fd(),
                 0,
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error().into());
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EEXIST) {
+                return Err(io::Error::from(io::ErrorKind::AddrInUse).into());
+            }
+            return Err(err.into());
+        }
+        if at.is_some_and(|a| a != ptr as usize) {
+            // A kernel without MAP_FIXED_NOREPLACE took the address as a hint.
+            // SAFETY: the mapping just made, used by nothing.
+            unsafe { libc::munmap(ptr, len) };
+            return Err(io::Error::from(io::ErrorKind::AddrInUse).into());
         }
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| io::Error::other("mmap returned a null mapping"))?;
@@ -210,6 +241,12 @@ impl Drop for ShmRegion {
         // borrow of it can outlive `self`.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(n).unwrap_or(4096).max(1)
 }
 
 fn check_len(len: usize) -> Result<()> {
@@ -301,6 +338,33 @@ mod tests {
 
         assert!(matches!(write, Err(Error::OutOfBounds)));
         assert!(matches!(read, Err(Error::OutOfBounds)));
+    }
+
+    #[test]
+    fn mapped_again_at_an_address_shares_the_bytes_there_and_never_replaces() {
+        let region = ShmRegion::create("at", 1 << 20).unwrap();
+        // A free address: reserve a range, release it, map there.
+        let probe = ShmRegion::create("probe", 1 << 20).unwrap();
+        let free = probe.as_ptr() as usize;
+        drop(probe);
+        let twin = region.map_again_at(free).unwrap();
+        region.write_at(4096, b"same bytes").unwrap();
+        let mut out = [0u8; 10];
+        twin.read_at(4096, &mut out).unwrap();
+
+        let taken = region.map_again_at(region.as_ptr() as usize);
+        let peer = ShmRegion::from_fd_at(
+            region.fd().try_clone_to_owned().unwrap(),
+            1 << 20,
+            Some(twin.as_ptr() as usize),
+        );
+        let unaligned = region.map_again_at(free + 1);
+
+        assert_eq!(twin.as_ptr() as usize, free);
+        assert_eq!(&out, b"same bytes");
+        assert!(matches!(taken, Err(Error::Io(e)) if e.kind() == io::ErrorKind::AddrInUse));
+        assert!(matches!(peer, Err(Error::Io(e)) if e.kind() == io::ErrorKind::AddrInUse));
+        assert!(unaligned.is_err());
     }
 
     #[test]

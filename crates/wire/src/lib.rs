@@ -96,6 +96,13 @@ pub mod control {
     /// restored it. Payload: buffer id u64, bytes u64, time ns u64.
     pub const RESTORED: u16 = 13;
 
+    /// Guest → server (through the router, which forwards the fd): the arena for the
+    /// tenant's fine-grained SVM, a memfd sealed against shrinking (fd attached) that the
+    /// guest has mapped at `address`. The server maps it at the same address, so pointers
+    /// into it, and pointers stored in it, mean the same in both processes. No reply: the
+    /// next fine-grained clSVMAlloc says whether it took. Payload: address u64, len u64.
+    pub const SVM_ARENA: u16 = 14;
+
     /// Connection roles carried by HELLO.
     pub const ROLE_CALLS: u32 = 1;
     /// The connection on which the server delivers callbacks to the guest.

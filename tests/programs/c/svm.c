@@ -1,7 +1,12 @@
-/* svm.c - coarse-grained buffer SVM, with deterministic output so that its
+/* svm.c - shared virtual memory, with deterministic output so that its
  * stdout natively and under `hira run --` can be diffed byte for byte.
- * Only results are printed, never pointers or capabilities beyond
- * CL_DEVICE_SVM_COARSE_GRAIN_BUFFER (hira offers no fine-grained SVM).
+ * Only results are printed, never pointers.
+ *
+ * Fine-grained buffer SVM (when the device offers it): the host builds a
+ * linked list in SVM memory without map/unmap, a kernel follows the pointers
+ * stored in it and updates it, the host reads the results straight from
+ * memory; atomics from a kernel; a copy and a map of fine-grained memory;
+ * clSVMFree and clEnqueueSVMFree of fine-grained allocations.
  *
  * Covered: clSVMAlloc/clSVMFree, clEnqueueSVMMemFill, blocking and
  * non-blocking clEnqueueSVMMap (READ, WRITE, WRITE_INVALIDATE_REGION) and
@@ -43,7 +48,14 @@ static const char *SRC =
     "    int s = 0;\n"
     "    for (int j = 0; j < nodes[0].n; j++) s += nodes[0].data[j];\n"
     "    sum[0] = s;\n"
-    "}\n";
+    "}\n"
+    "typedef struct lnode { __global struct lnode *next; int v; int pad; } lnode;\n"
+    "__kernel void walk(__global lnode *head, __global int *res) {\n"
+    "    int s = 0, n = 0;\n"
+    "    for (__global lnode *p = head; p; p = p->next) { s += p->v; n++; p->v += 1; }\n"
+    "    res[0] = s; res[1] = n;\n"
+    "}\n"
+    "__kernel void count(__global volatile int *res) { atomic_inc(&res[2]); }\n";
 
 static uint64_t fnv1a(const void *data, size_t len) {
     const unsigned char *p = data;
@@ -236,6 +248,63 @@ int main(void) {
     CHECK(clEnqueueSVMMigrateMem(q, 2, mig, mig_sizes, 0, 0, NULL, NULL));
     CHECK(clFinish(q));
     printf("migrate: ok\n");
+
+    /* ---- fine-grained buffer SVM: one memory for host and kernels, no map */
+    printf("fine-grain buffer SVM: %s, atomics: %s\n",
+           (caps & CL_DEVICE_SVM_FINE_GRAIN_BUFFER) ? "yes" : "no",
+           (caps & CL_DEVICE_SVM_ATOMICS) ? "yes" : "no");
+    if (caps & CL_DEVICE_SVM_FINE_GRAIN_BUFFER) {
+        typedef struct lnode { struct lnode *next; int v; int pad; } lnode;
+        enum { LN = 1000 };
+        cl_svm_mem_flags fg = CL_MEM_READ_WRITE | CL_MEM_SVM_FINE_GRAIN_BUFFER;
+        lnode *ln = clSVMAlloc(ctx, fg, LN * sizeof(lnode), 0);
+        int *res = clSVMAlloc(ctx, fg | ((caps & CL_DEVICE_SVM_ATOMICS) ? CL_MEM_SVM_ATOMICS : 0),
+                              4 * sizeof(int), 0);
+        printf("fine-grain alloc: %s\n", ln && res ? "ok" : "NULL");
+        if (!ln || !res) return 1;
+        /* The list visits the nodes in the order 0, 7, 14, ... (mod LN). */
+        for (int i = 0; i < LN; i++) {
+            int at = (i * 7) % LN;
+            ln[at].v = i * 3 + 1;
+            ln[at].next = i + 1 < LN ? &ln[((i + 1) * 7) % LN] : NULL;
+        }
+        memset(res, 0, 4 * sizeof(int));
+        cl_kernel walk = clCreateKernel(prog, "walk", &err);
+        CHECKE(err);
+        CHECK(clSetKernelArgSVMPointer(walk, 0, ln));
+        CHECK(clSetKernelArgSVMPointer(walk, 1, res));
+        size_t one = 1;
+        CHECK(clEnqueueNDRangeKernel(q, walk, 1, NULL, &one, NULL, 0, NULL, NULL));
+        CHECK(clFinish(q));
+        printf("kernel walked the host's list: sum %d over %d nodes; node 7 now %d\n",
+               res[0], res[1], ln[7].v);
+        cl_kernel count = clCreateKernel(prog, "count", &err);
+        CHECKE(err);
+        CHECK(clSetKernelArgSVMPointer(count, 0, res));
+        size_t many = N;
+        CHECK(clEnqueueNDRangeKernel(q, count, 1, NULL, &many, NULL, 0, NULL, NULL));
+        CHECK(clFinish(q));
+        printf("atomic increments seen by the host: %d\n", res[2]);
+        int head[2];
+        CHECK(clEnqueueSVMMemcpy(q, CL_TRUE, head, &ln[0].v, sizeof(int), 0, NULL, NULL));
+        CHECK(clEnqueueSVMMemcpy(q, CL_TRUE, &head[1], &ln[LN - 1].v, sizeof(int), 0, NULL,
+                                 NULL));
+        CHECK(clEnqueueSVMMap(q, CL_TRUE, CL_MAP_WRITE, res, 4 * sizeof(int), 0, NULL, NULL));
+        res[3] = head[0] + head[1];
+        CHECK(clEnqueueSVMUnmap(q, res, 0, NULL, NULL));
+        CHECK(clFinish(q));
+        printf("copied out of fine-grain SVM: %d %d, written through a map: %d\n", head[0],
+               head[1], res[3]);
+        void *fine_free[] = {ln};
+        cl_event fe;
+        CHECK(clEnqueueSVMFree(q, 1, fine_free, NULL, NULL, 0, NULL, &fe));
+        CHECK(clWaitForEvents(1, &fe));
+        CHECK(clReleaseEvent(fe));
+        clSVMFree(ctx, res);
+        clReleaseKernel(walk);
+        clReleaseKernel(count);
+        printf("fine-grain freed\n");
+    }
 
     void *to_free[] = {in, out};
     cl_event freed;
