@@ -628,7 +628,8 @@ impl State {
             .filter(|s| s.kernels >= 8)
             .map(|s| s.kernel_ns / s.kernels);
         match avg {
-            Some(avg) => ((DRAIN_BUDGET / avg.max(1)) as u32).clamp(self.max_inflight, MAX_WINDOW),
+            Some(avg) => ((DRAIN_BUDGET / avg.max(1)) as u32)
+                .clamp(self.max_inflight, MAX_WINDOW.max(self.max_inflight)),
             None => self.max_inflight,
         }
     }
@@ -774,6 +775,23 @@ mod tests {
 
         assert_eq!(granted, 4);
         assert_eq!(st.owner, Some(1));
+    }
+
+    #[test]
+    fn a_window_above_the_short_kernel_limit_is_taken_as_configured() {
+        // max_inflight beyond MAX_WINDOW once panicked (clamp with min > max) when the
+        // owner's average kernel became known.
+        let mut st = state(PolicyKind::Fifo, MAX_WINDOW + 10, 1);
+        let mut now = 0;
+        submit(&mut st, 1, 16, now);
+        for _ in 0..16 {
+            now += US;
+            st.complete(1, US, now);
+        }
+
+        let granted = submit(&mut st, 1, MAX_WINDOW + 20, now);
+
+        assert_eq!(granted, MAX_WINDOW + 10);
     }
 
     #[test]
