@@ -615,7 +615,18 @@ impl Router {
             };
             match s2g {
                 Ok(s2g) => {
-                    guest_to_server(&tenant, &link, &mut reader, &r_end);
+                    // A bug in the router must not leave the application waiting forever:
+                    // whatever happens, the connection is closed below and its call fails.
+                    let forwarded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        guest_to_server(&tenant, &link, &mut reader, &r_end)
+                    }));
+                    if forwarded.is_err() {
+                        tracing::error!(
+                            tenant = tid,
+                            conn = link.id,
+                            "forwarding thread panicked; closing the connection"
+                        );
+                    }
                     link.closing.store(true, SeqCst);
                     r_end.shutdown();
                     let _ = s2g.join();
