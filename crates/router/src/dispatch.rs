@@ -20,11 +20,20 @@
 //! would lose its place on every turnaround). After that the device is free and the
 //! scheduler picks anyone (this is where BAND's own short wait applies).
 //!
+//! Completions reach the dispatcher through the tenant's completion page
+//! ([`CompletionPage`]): the server counts them there and the dispatcher reads the totals
+//! whenever it decides anything. A DONE message per completion is asked for only while some
+//! command waits for a grant (then completions must wake the dispatcher); a tenant alone on
+//! its device costs the router no wake-up per kernel (virtio's notification suppression).
+//! Tenants without a page (over-subscription on, or `HIRA_DONE_PAGE=0`) send DONE for
+//! every completion, as servers did before the page.
+//!
 //! Only device time reported by the server (DONE) is charged: draining and switching are
 //! charged to nobody (DymGPU §4.5). The clock is a monotonic [`Instant`] converted to
 //! nanoseconds; the state machine ([`State`]) takes the time as an argument, so tests
 //! drive it with a fake clock and fake completions.
 
+use hira_transport::CompletionPage;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -135,10 +144,20 @@ impl Dispatcher {
         self.epoch.elapsed().as_nanos() as Nanos
     }
 
-    /// Runs `f` on the state at the current time (the state wakes whom it concerns).
+    /// Runs `f` on the state at the current time (the state wakes whom it concerns), with
+    /// every completion the pages show applied first.
     fn change<R>(&self, f: impl FnOnce(&mut State, Nanos) -> R) -> R {
         let now = self.now();
-        f(&mut lock(&self.st), now)
+        let mut st = lock(&self.st);
+        st.sync_pages(now);
+        let r = f(&mut st, now);
+        st.settle_notify();
+        r
+    }
+
+    /// Tenant `t`'s completions come through `page` from now on.
+    pub fn attach_page(&self, t: TenantId, page: Arc<CompletionPage>) {
+        self.change(|st, _| st.attach_page(t, page));
     }
 
     /// Admits tenant `t` (again: replaces its settings).
@@ -169,14 +188,18 @@ impl Dispatcher {
     pub fn try_acquire(&self, t: TenantId) -> Result<bool, Ticket> {
         let start = self.now();
         let mut st = lock(&self.st);
-        if let Some(answer) = st.enter(t, start) {
-            return Ok(answer);
-        }
-        st.pump(start);
-        match st.take(t, start, start) {
-            Some(answer) => Ok(answer),
-            None => Err(Ticket { t, start }),
-        }
+        st.sync_pages(start);
+        let answer = match st.enter(t, start) {
+            Some(answer) => Some(answer),
+            None => {
+                st.pump(start);
+                st.take(t, start, start)
+            }
+        };
+        // A command left waiting raises the pages' notify flags before the lock goes:
+        // wait_grant reads the pages again before it sleeps.
+        st.settle_notify();
+        answer.ok_or(Ticket { t, start })
     }
 
     /// Wait for the grant of a command that [`Dispatcher::try_acquire`] queued.
@@ -185,9 +208,17 @@ impl Dispatcher {
         let mut st = lock(&self.st);
         loop {
             let now = self.now();
+            st.sync_pages(now);
             st.pump(now);
             if let Some(answer) = st.take(t, start, now) {
+                st.settle_notify();
                 return answer;
+            }
+            // Ask for DONE messages, then look once more: a completion counted before the
+            // flag went up announced itself to nobody.
+            st.settle_notify();
+            if st.sync_pages(now) {
+                continue;
             }
             let Some(cv) = st.tenants.get(&t).map(|s| Arc::clone(&s.cv)) else {
                 return false;
@@ -203,9 +234,15 @@ impl Dispatcher {
         }
     }
 
-    /// A dispatched command of `t` finished after `device_ns` of device time.
+    /// A DONE message of `t`: a dispatched command finished after `device_ns` of device
+    /// time (for a tenant with a completion page, the page says what finished, and it has
+    /// been read).
     pub fn complete(&self, t: TenantId, device_ns: Nanos) {
-        self.change(|st, now| st.complete(t, device_ns, now));
+        self.change(|st, now| {
+            if st.tenants.get(&t).is_some_and(|s| s.page.is_none()) {
+                st.complete(t, device_ns, now);
+            }
+        });
     }
 
     /// A dispatched command of `t` failed before reaching the device (no DONE will come).
@@ -243,13 +280,12 @@ impl Dispatcher {
 
     /// The tenant's scheduling view.
     pub fn view(&self, t: TenantId) -> Option<SchedView> {
-        lock(&self.st).view(t)
+        self.change(|st, _| st.view(t))
     }
 
     /// The device's view.
     pub fn device(&self) -> DeviceStats {
-        let now = self.now();
-        lock(&self.st).device(now)
+        self.change(|st, now| st.device(now))
     }
 }
 
@@ -274,6 +310,8 @@ struct State {
     anticipate: Nanos,
     /// The drained owner's last completion (device ns), not yet told to the scheduler.
     deferred: Option<(TenantId, Nanos)>,
+    /// Whether the completion pages ask for a DONE per completion (someone waits).
+    notify_on: bool,
     busy_ns: u64,
     busy_since: Option<Nanos>,
     dispatched: u64,
@@ -314,6 +352,8 @@ struct Slot {
     stopped: Option<String>,
     /// The tenant's waiting threads sleep here.
     cv: Arc<Condvar>,
+    /// Where the tenant's server counts completions, and the totals already applied.
+    page: Option<(Arc<CompletionPage>, (u64, u64))>,
 }
 
 impl Slot {
@@ -337,6 +377,7 @@ impl State {
             next_wake: None,
             anticipate: cfg.band_wait,
             deferred: None,
+            notify_on: false,
             busy_ns: 0,
             busy_since: None,
             dispatched: 0,
@@ -364,8 +405,61 @@ impl State {
                     queue_wait_ns: 0,
                     stopped: None,
                     cv: Arc::new(Condvar::new()),
+                    page: None,
                 };
                 self.tenants.insert(t, slot);
+            }
+        }
+    }
+
+    fn attach_page(&mut self, t: TenantId, page: Arc<CompletionPage>) {
+        if let Some(slot) = self.tenants.get_mut(&t) {
+            page.set_notify(self.notify_on);
+            let seen = page.totals();
+            slot.page = Some((page, seen));
+        }
+    }
+
+    /// Applies the completions the pages show and the dispatcher has not seen; true if any.
+    /// A tenant is never credited with more completions than it has commands out (its
+    /// server could lie only about its own tenant anyway).
+    fn sync_pages(&mut self, now: Nanos) -> bool {
+        let mut done = Vec::new();
+        for (&t, slot) in &mut self.tenants {
+            let Some((page, seen)) = &mut slot.page else {
+                continue;
+            };
+            let (count, ns) = page.totals();
+            let fresh = count.wrapping_sub(seen.0);
+            if fresh == 0 {
+                continue;
+            }
+            let fresh_ns = ns.wrapping_sub(seen.1);
+            *seen = (count, ns);
+            let n = fresh.min(slot.dispatched.len() as u64);
+            if n > 0 {
+                done.push((t, n, fresh_ns));
+            }
+        }
+        for &(t, n, ns) in &done {
+            for i in 0..n {
+                let share = ns / n + if i + 1 == n { ns % n } else { 0 };
+                self.complete(t, share, now);
+            }
+        }
+        !done.is_empty()
+    }
+
+    /// Raises the pages' notify flags while a command waits for a grant (or the scheduler has
+    /// picked one that waits for the owner to drain), lowers them when none does.
+    fn settle_notify(&mut self) {
+        let want = self.next.is_some() || self.tenants.values().any(|s| s.ready() > 0);
+        if want != self.notify_on {
+            self.notify_on = want;
+            for slot in self.tenants.values() {
+                if let Some((page, _)) = &slot.page {
+                    page.set_notify(want);
+                }
             }
         }
     }
@@ -775,6 +869,83 @@ mod tests {
 
         assert_eq!(granted, 4);
         assert_eq!(st.owner, Some(1));
+    }
+
+    fn paged(st: &mut State, t: TenantId) -> Arc<CompletionPage> {
+        let page = Arc::new(CompletionPage::create().expect("page"));
+        st.attach_page(t, Arc::clone(&page));
+        page
+    }
+
+    #[test]
+    fn a_lone_tenant_sends_no_messages_and_its_completions_count_at_its_next_launch() {
+        let mut st = state(PolicyKind::Wfq, 4, 1);
+        let page = paged(&mut st, 1);
+        submit(&mut st, 1, 4, 0);
+        st.settle_notify();
+
+        let asked = [page.record(US), page.record(2 * US)];
+        let full = submit(&mut st, 1, 1, 3 * US);
+        let read = st.sync_pages(3 * US);
+        let more = take_all(&mut st, 1, 3 * US);
+        st.settle_notify();
+
+        assert_eq!(asked, [false, false], "nobody waits: no DONE messages");
+        assert_eq!(full, 0, "four out, before the page is read");
+        assert!(read);
+        assert_eq!(more, 1, "two slots came back through the page");
+        assert_eq!(st.tenants[&1].kernels, 2);
+        assert_eq!(st.tenants[&1].kernel_ns, 3 * US);
+        assert!(!st.notify_on);
+    }
+
+    #[test]
+    fn a_waiting_command_asks_for_messages_until_it_is_granted() {
+        let mut st = state(PolicyKind::Fifo, 4, 2);
+        let p1 = paged(&mut st, 1);
+        let p2 = paged(&mut st, 2);
+        submit(&mut st, 1, 2, 0);
+        st.settle_notify();
+        let quiet = p1.record(US);
+        submit(&mut st, 2, 1, US);
+        st.settle_notify();
+
+        let asked = p1.record(US);
+        let before = take_all(&mut st, 2, 2 * US);
+        st.sync_pages(2 * US);
+        // Tenant 1 drained: once its anticipation (band_wait) is over, the device turns.
+        let later = 2 * US + 1000 * US;
+        st.pump(later);
+        let granted = take_all(&mut st, 2, later);
+        st.settle_notify();
+
+        assert!(!quiet);
+        assert!(
+            asked,
+            "tenant 2 waits: tenant 1's completions are announced"
+        );
+        assert_eq!(before, 0);
+        assert_eq!(
+            granted, 1,
+            "the completions read from the page let tenant 2 go"
+        );
+        assert!(!st.notify_on && !p2.record(0), "nobody waits any more");
+    }
+
+    #[test]
+    fn a_page_never_completes_more_than_was_dispatched() {
+        let mut st = state(PolicyKind::Fifo, 4, 1);
+        let page = paged(&mut st, 1);
+        submit(&mut st, 1, 2, 0);
+        for _ in 0..10 {
+            page.record(US);
+        }
+
+        st.sync_pages(US);
+
+        assert_eq!(st.tenants[&1].kernels, 2);
+        assert!(st.tenants[&1].dispatched.is_empty());
+        assert_eq!(st.inflight, 0);
     }
 
     #[test]

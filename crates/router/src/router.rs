@@ -14,7 +14,7 @@ use hira_opencl::{
     cl, K_MEM, OP_CLCREATEBUFFER, OP_CLCREATEBUFFERWITHPROPERTIES, OP_CLCREATESUBBUFFER,
     OP_CLRELEASEMEMOBJECT, OP_CLRETAINMEMOBJECT, OP_CLSETKERNELARG,
 };
-use hira_transport::{Conn, FrameReader, Listener};
+use hira_transport::{CompletionPage, Conn, FrameReader, Listener};
 use hira_wire::{control, flags, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
 use tracing::{debug, error, info, warn};
 
@@ -757,6 +757,17 @@ impl Router {
             let frame = control_frame(control::SWAP_MODE, 0, &[1]);
             tenant.send_control(&frame)?;
             sw.add_tenant(id, quota, Arc::clone(&tenant) as Arc<dyn Evictor>);
+        } else if std::env::var_os("HIRA_DONE_PAGE").is_none_or(|v| v != "0") {
+            // Completions counted in shared memory, announced only while someone waits.
+            // (Over-subscription measures each tenant's busy time from DONE messages, so it
+            // keeps them.) Before any ATTACH, so before any kernel.
+            let page = Arc::new(CompletionPage::create()?);
+            let frame = control_frame(control::DONE_PAGE, 0, &[]);
+            {
+                let _g = lock(&tenant.control_tx);
+                tenant.control.send(&frame, &[page.fd()])?;
+            }
+            self.dispatch.attach_page(id, page);
         }
         let t = Arc::clone(&tenant);
         std::thread::Builder::new()

@@ -33,7 +33,8 @@ fn read(reader: &mut FrameReader) -> Option<(Header, Vec<u8>)> {
 }
 
 /// A fake API server: answers every synchronous request with a Reply carrying status 0
-/// (clCreateBuffer: errcode 0 and a new id), answers PING, ignores SET_QUOTA, sends one
+/// (clCreateBuffer: errcode 0 and a new id), answers PING, ignores SET_QUOTA and the
+/// completion page, sends one
 /// USAGE sample per ATTACH, and dies on opcode [`DIE`].
 fn fake_server(control_conn: Conn) {
     let control_tx = Arc::new(control_conn.try_clone().unwrap());
@@ -56,6 +57,11 @@ const FINAL_DIRECT_BYTES: u64 = 1 << 20;
 fn fake_control(reader: &mut FrameReader, control_tx: &Arc<Conn>, conns: &Arc<Mutex<Vec<Conn>>>) {
     while let Some((h, payload)) = read(reader) {
         if (h.kind, h.opcode) == (Kind::Control, control::SET_QUOTA) {
+            continue;
+        }
+        if (h.kind, h.opcode) == (Kind::Control, control::DONE_PAGE) {
+            // The completion page: this server runs no kernels, so it never counts any.
+            assert!(reader.take_fd().is_some(), "DONE_PAGE carries the page");
             continue;
         }
         assert_eq!((h.kind, h.opcode), (Kind::Control, control::ATTACH));

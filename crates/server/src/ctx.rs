@@ -87,6 +87,9 @@ pub struct Shared {
     pub(crate) swap: crate::swap::Swap,
     /// The tenant's SVM allocations: the only server pointers it may name.
     pub(crate) svm: crate::svm::Table,
+    /// Where kernel completions are counted for the router (`control::DONE_PAGE`); until it
+    /// comes, every completion is a DONE message.
+    pub(crate) done_page: std::sync::OnceLock<hira_transport::CompletionPage>,
 }
 
 impl Shared {
@@ -104,6 +107,7 @@ impl Shared {
             quota: AtomicU64::new(0),
             swap: crate::swap::Swap::default(),
             svm: crate::svm::Table::default(),
+            done_page: std::sync::OnceLock::new(),
         })
     }
 
@@ -139,8 +143,14 @@ impl Shared {
         id
     }
 
-    /// Tell the router a kernel finished (its scheduler charges the device time).
+    /// Tell the router a kernel finished (its scheduler charges the device time): counted on
+    /// the completion page, and sent as a message only while the router asks for one.
     pub fn report_done(&self, device_ns: u64, measured: bool) {
+        if let Some(page) = self.done_page.get() {
+            if !page.record(device_ns) {
+                return;
+            }
+        }
         let mut w = Writer::with_header_room(HEADER_LEN);
         w.u64(device_ns);
         w.u8(measured as u8);

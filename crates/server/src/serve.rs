@@ -71,6 +71,21 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
             }
             continue;
         }
+        if h.kind == Kind::Control && h.opcode == control::DONE_PAGE {
+            match reader
+                .take_fd()
+                .map(hira_transport::CompletionPage::from_fd)
+            {
+                Some(Ok(page)) => {
+                    if shared.done_page.set(page).is_err() {
+                        tracing::warn!("second completion page ignored");
+                    }
+                }
+                Some(Err(e)) => tracing::warn!("completion page refused: {e}"),
+                None => tracing::warn!("DONE_PAGE without a page"),
+            }
+            continue;
+        }
         if h.kind == Kind::Control && h.opcode == control::EVICT {
             if evict_tx.send((h.seq, payload.to_vec())).is_err() {
                 tracing::warn!("eviction thread gone; EVICT dropped");

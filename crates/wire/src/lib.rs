@@ -103,6 +103,12 @@ pub mod control {
     /// next fine-grained clSVMAlloc says whether it took. Payload: address u64, len u64.
     pub const SVM_ARENA: u16 = 14;
 
+    /// Router → server over the control socket, first: the tenant's completion page
+    /// (`hira_transport::CompletionPage`, fd attached). The server then counts kernel
+    /// completions there and sends DONE only while the router's notify flag is up. No
+    /// payload.
+    pub const DONE_PAGE: u16 = 15;
+
     /// Connection roles carried by HELLO.
     pub const ROLE_CALLS: u32 = 1;
     /// The connection on which the server delivers callbacks to the guest.
