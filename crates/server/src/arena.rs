@@ -258,10 +258,20 @@ mod tests {
         let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
         // SAFETY: ftruncate on our fd.
         assert_eq!(unsafe { libc::ftruncate(raw, MIN_LEN as i64) }, 0);
-        let addr = free_address(MIN_LEN).unwrap() as u64;
-        let unsealed = Arena::map(fd, addr, MIN_LEN as u64);
+        // Tests map concurrently: retry wherever the free address was taken meanwhile.
+        let map_free = |fd: &OwnedFd, len: u64| {
+            let mut at = free_address(MIN_LEN).unwrap() as u64;
+            loop {
+                match Arena::map(fd.try_clone().unwrap(), at, len) {
+                    Err(Refused::Taken(offer)) => at = offer as u64,
+                    other => return other,
+                }
+            }
+        };
+        let unsealed = map_free(&fd, MIN_LEN as u64);
         let guest = ShmRegion::create("arena", MIN_LEN).unwrap();
-        let small = Arena::map(guest.fd().try_clone_to_owned().unwrap(), addr, 4096);
+        let small = map_free(&guest.fd().try_clone_to_owned().unwrap(), 4096);
+        let addr = free_address(MIN_LEN).unwrap() as u64;
         let odd = Arena::map(
             guest.fd().try_clone_to_owned().unwrap(),
             addr + 1,
