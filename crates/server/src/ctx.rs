@@ -64,12 +64,19 @@ pub struct Table {
     next: u64,
 }
 
+/// Most callbacks kept while the guest's callback connection is on its way.
+const MAX_PENDING_CALLBACKS: usize = 4096;
+
 /// State shared by all of a tenant's connections.
 pub struct Shared {
     pub api: &'static Api,
     table: Mutex<Table>,
     /// Where callbacks go (the guest's ROLE_CALLBACKS connection).
     pub callbacks: Mutex<Option<Conn>>,
+    /// Callbacks that fired before that connection was attached, in order: the guest opens
+    /// it before it registers its first callback, but its ATTACH reaches this process on the
+    /// control socket and may come after the registration and the event it waits for.
+    pending_callbacks: Mutex<Vec<Vec<u8>>>,
     pub device_ns: AtomicU64,
     pub device_ns_reported: AtomicU64,
     /// Bytes of replies sent straight to the guest (the router counts them from USAGE).
@@ -98,6 +105,7 @@ impl Shared {
             api,
             table: Mutex::new(Table::default()),
             callbacks: Mutex::new(None),
+            pending_callbacks: Mutex::new(Vec::new()),
             device_ns: AtomicU64::new(0),
             device_ns_reported: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
@@ -209,8 +217,35 @@ impl Shared {
                     tracing::warn!("callback lost: {e}");
                 }
             }
-            None => tracing::warn!("callback lost: no callback connection"),
+            None => {
+                let mut pending = self
+                    .pending_callbacks
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                if pending.len() < MAX_PENDING_CALLBACKS {
+                    pending.push(buf);
+                } else {
+                    tracing::warn!("callback lost: no callback connection");
+                }
+            }
         }
+    }
+
+    /// The guest's callback connection arrived: it takes the callbacks that waited for it.
+    pub fn attach_callbacks(&self, conn: Conn) {
+        let mut sink = self.callbacks.lock().unwrap_or_else(|e| e.into_inner());
+        let pending = std::mem::take(
+            &mut *self
+                .pending_callbacks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        for buf in pending {
+            if let Err(e) = conn.send(&buf, &[]) {
+                tracing::warn!("callback lost: {e}");
+            }
+        }
+        *sink = Some(conn);
     }
 }
 

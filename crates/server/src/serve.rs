@@ -122,7 +122,7 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
         };
         let conn = Conn::from_owned(sock);
         if role == control::ROLE_CALLBACKS {
-            *shared.callbacks.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn);
+            shared.attach_callbacks(conn);
             continue;
         }
         let shared = shared.clone();

@@ -89,3 +89,51 @@ fn replies_the_router_does_not_read_go_straight_to_the_guest() {
         .send(b"a request that must not reach the server", &[]);
     assert!(sent.is_err(), "the server's end does not read");
 }
+
+/// A callback that fires before the guest's callback connection is attached (its ATTACH
+/// comes on the control socket, the registration on the calls connection, and either may be
+/// first) is kept and delivered once the connection arrives, not lost.
+#[test]
+fn callbacks_that_fire_before_their_connection_is_attached_are_delivered() {
+    const CL_COMPLETE: u64 = 0;
+    let proc = Proc::spawn(ENTRY, ENTRY_ENV);
+    let mut usage = FrameReader::new(proc.ctl.try_clone().expect("clone"));
+    std::thread::spawn(move || {
+        while let Ok(Some(_)) = usage.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {}
+    });
+    let mut c = proc.attach();
+    let cl = c.open("__kernel void k(__global int *a) { a[0] = 1; }", "k");
+    let mut w = Writer::default();
+    w.u64(cl.context);
+    let event = c.create(OP_CLCREATEUSEREVENT, &w);
+    let mut w = Writer::default();
+    w.u64(event);
+    w.u64(CL_COMPLETE);
+    w.u64(77); // the guest's callback id
+    c.ok(OP_CLSETEVENTCALLBACK, &w);
+    let mut w = Writer::default();
+    w.u64(event);
+    w.u64(CL_COMPLETE);
+    c.ok(OP_CLSETUSEREVENTSTATUS, &w);
+    // The callback has fired (the vendor runs it on completion) with nowhere to go yet.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+
+    let mut callbacks = proc.attach_callbacks();
+    callbacks
+        .conn()
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    let f = callbacks
+        .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
+        .expect("callback frame")
+        .expect("connection open");
+    let h = Header::parse(f).expect("header");
+    let payload = f[HEADER_LEN..].to_vec();
+
+    assert_eq!(h.kind, Kind::Callback);
+    assert!(
+        payload.windows(8).any(|b| b == 77u64.to_le_bytes()),
+        "the callback names the guest's id"
+    );
+    assert!(!proc.log().contains("callback lost"));
+}

@@ -93,6 +93,21 @@ impl Proc {
         self.attach_with(None)
     }
 
+    /// The callback connection (`control::ROLE_CALLBACKS`, no shared memory), as the router
+    /// attaches it: callback frames arrive on the returned reader.
+    #[allow(dead_code)] // not every test binary takes callbacks
+    pub fn attach_callbacks(&self) -> FrameReader {
+        let (ours, theirs) = Conn::pair().expect("socketpair");
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        w.u64(2);
+        w.u32(control::ROLE_CALLBACKS);
+        w.u64(0);
+        let len = w.buf.len() - HEADER_LEN;
+        Header::new(Kind::Control, control::ATTACH, 0, len).write_to(&mut w.buf[..HEADER_LEN]);
+        self.ctl.send(&w.buf, &[theirs.as_fd()]).expect("attach");
+        FrameReader::new(ours)
+    }
+
     /// A calls connection whose direct-reply replies (`control::OPT_DIRECT`) come on the
     /// returned reader.
     pub fn attach_direct(&self) -> (Client, FrameReader) {
