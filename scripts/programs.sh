@@ -5,7 +5,8 @@
 #
 # Programs:
 #   tests/programs/c/*.c      -> target/programs/<name>   (cc -O2 x.c -lOpenCL -lpthread):
-#                                info.c, vecadd.c, svm.c (coarse-grained buffer SVM)
+#                                info.c, vecadd.c, svm.c (coarse- and fine-grained SVM;
+#                                run a second time with fine grain off, through mirrors)
 #   examples/rust-opencl3     -> target/programs/rust/release/hira-example-opencl3
 #
 # Each program is run natively and under `$HIRA run --` (HIRA defaults to
@@ -122,6 +123,40 @@ for i in "${!names[@]}"; do
         failed+=("$name")
     fi
 done
+
+# Coarse-grained SVM through guest mirrors, what hira does where the device offers no fine
+# grain (on a CPU device every SVM allocation lives in the shared arena): svm.c once more,
+# through a router of its own whose servers offer no fine-grained SVM (HIRA_FINE_SVM=0),
+# compared with the native run on every line that does not depend on fine grain.
+if [ "$NATIVE_ONLY" = 0 ] && [ -x "$OUT/svm" ]; then
+    sock="$OUT/mirrors.sock"
+    rm -f "$sock"
+    HIRA_FINE_SVM=0 "$HIRA" serve --socket "$sock" --idle-exit 60s \
+        >"$LOGS/svm.mirrors-router.log" 2>&1 &
+    rpid=$!
+    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+    rc=0
+    run_one mirrors svm "$HIRA" run --router "$sock" -- "$OUT/svm" || rc=$?
+    kill "$rpid" 2>/dev/null || true
+    wait "$rpid" 2>/dev/null || true
+    coarse() {
+        grep -v -e 'fine-grain' -e 'followed a pointer' -e 'kernel walked' \
+            -e 'atomic increments' -e 'copied out of fine' "$1" || true
+    }
+    if [ "$rc" = 0 ] && diff -u --label "svm (native, coarse lines)" --label "svm (mirrors)" \
+            <(coarse "$LOGS/svm.native.out") <(coarse "$LOGS/svm.mirrors.out") \
+            >"$LOGS/svm.mirrors.diff"; then
+        echo "PASS svm (coarse-grained SVM through mirrors)"
+        pass=$((pass + 1))
+    else
+        echo "   svm (mirrors): rc=$rc or stdout differs:"
+        head -n 40 "$LOGS/svm.mirrors.diff" | sed 's/^/     | /'
+        tail -n 5 "$LOGS/svm.mirrors.err" | sed 's/^/     | /'
+        echo "FAIL svm (coarse-grained SVM through mirrors)"
+        fail=$((fail + 1))
+        failed+=("svm-mirrors")
+    fi
+fi
 
 mode=$([ "$NATIVE_ONLY" = 1 ] && echo "native vs native" || echo "native vs hira")
 echo "programs ($mode): $pass passed, $fail failed${failed:+ (${failed[*]})}"

@@ -141,6 +141,55 @@ fn fine_alloc(context: *mut c_void, flags: u64, size: usize, alignment: u32) -> 
     std::ptr::null_mut()
 }
 
+/// Whether every device of `context` offers fine-grained buffer SVM (so hira serves SVM
+/// from the arena there); asked once per context.
+fn arena_context(context: *mut c_void) -> bool {
+    const CL_CONTEXT_DEVICES: u32 = 0x1081;
+    const CL_DEVICE_SVM_FINE_GRAIN_BUFFER: u64 = 2;
+    static SEEN: OnceLock<Mutex<HashMap<usize, bool>>> = OnceLock::new();
+    let seen = SEEN.get_or_init(Default::default);
+    if let Some(&v) = seen
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(context as usize))
+    {
+        return v;
+    }
+    let mut devs = [std::ptr::null_mut::<c_void>(); 16];
+    let mut got = 0usize;
+    // SAFETY: a context handle of the application; room for 16 device handles.
+    let ok = unsafe {
+        stubs::clGetContextInfo(
+            context,
+            CL_CONTEXT_DEVICES,
+            std::mem::size_of_val(&devs),
+            devs.as_mut_ptr() as *mut c_void,
+            &mut got,
+        )
+    } == CL_SUCCESS;
+    let n = got / std::mem::size_of::<*mut c_void>();
+    let fine = ok
+        && (1..=devs.len()).contains(&n)
+        && devs[..n].iter().all(|&d| {
+            let mut caps = 0u64;
+            // SAFETY: a device of the context; an 8-byte cl_bitfield output.
+            let r = unsafe {
+                stubs::clGetDeviceInfo(
+                    d,
+                    CL_DEVICE_SVM_CAPABILITIES,
+                    8,
+                    &mut caps as *mut u64 as *mut c_void,
+                    std::ptr::null_mut(),
+                )
+            };
+            r == CL_SUCCESS && caps & CL_DEVICE_SVM_FINE_GRAIN_BUFFER != 0
+        });
+    seen.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(context as usize, fine);
+    fine
+}
+
 /// Whether `p` lies in a fine-grained allocation.
 fn is_fine(p: *const c_void) -> bool {
     let p = p as usize;
@@ -226,6 +275,22 @@ pub unsafe extern "C" fn clSVMAlloc(
     null_on_panic(|| {
         if flags & (CL_MEM_SVM_FINE_GRAIN_BUFFER | CL_MEM_SVM_ATOMICS) != 0 {
             return fine_alloc(context, flags, size, alignment);
+        }
+        if arena_context(context) {
+            // Where the device offers fine grain, coarse-grained allocations live in the arena
+            // too: fine-grained memory keeps every coarse-grained promise, needs no mirror and
+            // no copies, and pointers stored in it mean the same to kernels. What the arena
+            // cannot hold (size 0, a bad alignment, a full arena) takes the mirror path, which
+            // answers as the vendor does.
+            let p = fine_alloc(
+                context,
+                flags | CL_MEM_SVM_FINE_GRAIN_BUFFER,
+                size,
+                alignment,
+            );
+            if !p.is_null() {
+                return p;
+            }
         }
         let server = (|| {
             let mut c = Call::new(OP_CLSVMALLOC);

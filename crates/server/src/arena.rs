@@ -78,12 +78,13 @@ impl Arena {
         self.region.len()
     }
 
-    /// `size` bytes aligned to `align` (a power of two; at least [`GRAIN`]), first fit.
+    /// `size` bytes aligned to `align` (a power of two, or 0; at least [`GRAIN`] anyway),
+    /// first fit.
     pub fn alloc(&mut self, size: usize, align: usize) -> Option<usize> {
-        let align = align.max(GRAIN);
-        if !align.is_power_of_two() || size == 0 {
+        if (align != 0 && !align.is_power_of_two()) || size == 0 {
             return None;
         }
+        let align = align.max(GRAIN);
         let size = size.checked_next_multiple_of(GRAIN)?;
         let base = self.base();
         let (off, len, at) = self.free.iter().find_map(|(&off, &len)| {
@@ -212,6 +213,7 @@ mod tests {
 
         assert_eq!(a.alloc(0, 0), None);
         assert_eq!(a.alloc(64, 3 << 7), None, "alignment not a power of two");
+        assert_eq!(a.alloc(64, 3), None, "not even below the grain");
         assert_eq!(a.alloc(MIN_LEN + 1, 0), None);
         a.free(a.base() + MIN_LEN, GRAIN); // outside: ignored
         a.free(1, GRAIN); // below: ignored

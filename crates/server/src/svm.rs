@@ -315,7 +315,8 @@ pub fn h_clSVMAlloc(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
         };
         let align = match alignment {
             0 => arena::GRAIN,
-            a => a as usize,
+            a if a.is_power_of_two() => a as usize,
+            _ => return refuse(CL_INVALID_VALUE, "alignment not a power of two"),
         };
         match arena.alloc(bytes, align) {
             Some(p) => p as *mut c_void,

@@ -207,8 +207,10 @@ int main(void) {
     CHECK(clEnqueueSVMMemcpy(q, CL_TRUE, back, out, 4 * sizeof(int), 0, NULL, NULL));
     printf("map released unread, after add 200: out[2]=%d out[3]=%d\n", back[2], back[3]);
 
-    /* ---- SVM_PTRS exec info (the kernel is not run: a pointer stored inside SVM memory
-     * is a mirror address under hira, which the server cannot follow) */
+    /* ---- SVM_PTRS exec info, and a kernel following a pointer stored in SVM memory. The
+     * kernel runs only where the device offers fine-grained SVM: there hira serves every
+     * SVM allocation from memory shared at the same address; elsewhere a coarse-grained
+     * allocation is a mirror whose stored pointers the server cannot follow. */
     struct { int *data; int n; int pad; } *nodes =
         clSVMAlloc(ctx, CL_MEM_READ_WRITE, 64, 0);
     int *sum = clSVMAlloc(ctx, CL_MEM_READ_WRITE, sizeof(int), 0);
@@ -219,6 +221,18 @@ int main(void) {
     void *used[] = {in};
     CHECK(clSetKernelExecInfo(chase, CL_KERNEL_EXEC_INFO_SVM_PTRS, sizeof used, used));
     printf("exec info SVM_PTRS: ok\n");
+    if (caps & CL_DEVICE_SVM_FINE_GRAIN_BUFFER) {
+        CHECK(clEnqueueSVMMap(q, CL_TRUE, CL_MAP_WRITE, nodes, 64, 0, NULL, NULL));
+        nodes[0].data = in;
+        CHECK(clEnqueueSVMUnmap(q, nodes, 0, NULL, NULL));
+        CHECK(clSetKernelArgSVMPointer(chase, 0, nodes));
+        CHECK(clSetKernelArgSVMPointer(chase, 1, sum));
+        size_t one = 1;
+        CHECK(clEnqueueNDRangeKernel(q, chase, 1, NULL, &one, NULL, 0, NULL, NULL));
+        CHECK(clEnqueueSVMMap(q, CL_TRUE, CL_MAP_READ, sum, sizeof(int), 0, NULL, NULL));
+        printf("kernel followed a pointer stored in coarse-grain SVM: sum %d\n", *sum);
+        CHECK(clEnqueueSVMUnmap(q, sum, 0, NULL, NULL));
+    }
 
     /* ---- a buffer on SVM memory (CL_MEM_USE_HOST_PTR) aliases the allocation */
     cl_mem view = clCreateBuffer(ctx, CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR,
