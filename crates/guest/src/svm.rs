@@ -1,12 +1,12 @@
 //! Shared virtual memory across the process boundary.
 //!
-//! Fine-grained allocations (offered only where the server's device is the CPU) come from an
-//! arena: a memfd this process maps and sends to the server, which maps it at the same
+//! Where the server's device is the CPU, every allocation (fine-grained, and coarse-grained
+//! too: fine-grained memory keeps every coarse-grained promise) comes from an arena: a memfd this process maps and sends to the server, which maps it at the same
 //! address (`control::SVM_ARENA`). The application, the server and its kernels then touch the
 //! same bytes at the same addresses, pointers stored inside included; nothing is mirrored or
 //! copied, and the pointer the server returns is the one the application gets.
 //!
-//! Coarse-grained allocations are mirrored, as follows.
+//! Elsewhere coarse-grained allocations are mirrored, as follows.
 //!
 //! The vendor allocates SVM memory inside the API server, where the application cannot see
 //! it. Coarse-grained semantics make a mirror legal: the host touches SVM memory only between
