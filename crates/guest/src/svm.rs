@@ -73,6 +73,24 @@ fn arena() -> MutexGuard<'static, Option<GuestArena>> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
+/// clSVMAlloc in the server: (pointer or 0, the address it offers for the arena or 0).
+fn alloc_on_server(
+    context: *mut c_void,
+    flags: u64,
+    size: usize,
+    alignment: u32,
+) -> Result<(u64, u64), i32> {
+    let mut c = Call::new(OP_CLSVMALLOC);
+    c.handle(context);
+    c.u64(flags);
+    c.u64(size as u64);
+    c.u64(u64::from(alignment));
+    let mut r = c.sync()?;
+    let _status = r.i32()?;
+    let p = r.u64()?;
+    Ok((p, r.u64().unwrap_or(0)))
+}
+
 /// Sends the arena (its fd and address) on this thread's connection.
 fn send_arena(region: &hira_transport::ShmRegion) -> Result<(), i32> {
     let mut payload = Vec::with_capacity(16);
@@ -102,18 +120,7 @@ fn fine_alloc(context: *mut c_void, flags: u64, size: usize, alignment: u32) -> 
         *st = Some(GuestArena { region, pid });
     }
     for _ in 0..4 {
-        let reply = (|| {
-            let mut c = Call::new(OP_CLSVMALLOC);
-            c.handle(context);
-            c.u64(flags);
-            c.u64(size as u64);
-            c.u64(u64::from(alignment));
-            let mut r = c.sync()?;
-            let _status = r.i32()?;
-            let p = r.u64()?;
-            Ok::<_, i32>((p, r.u64().unwrap_or(0)))
-        })();
-        let (p, offer) = reply.unwrap_or((0, 0));
+        let (p, offer) = alloc_on_server(context, flags, size, alignment).unwrap_or((0, 0));
         if p != 0 {
             allocs().insert(
                 p as usize,
@@ -292,17 +299,7 @@ pub unsafe extern "C" fn clSVMAlloc(
                 return p;
             }
         }
-        let server = (|| {
-            let mut c = Call::new(OP_CLSVMALLOC);
-            c.handle(context);
-            c.u64(flags);
-            c.u64(size as u64);
-            c.u64(u64::from(alignment));
-            let mut r = c.sync()?;
-            let _status = r.i32()?;
-            r.u64()
-        })()
-        .unwrap_or(0);
+        let server = alloc_on_server(context, flags, size, alignment).map_or(0, |(p, _)| p);
         if server == 0 {
             return std::ptr::null_mut();
         }

@@ -335,6 +335,17 @@ fn tenant() -> Tenant {
     }
 }
 
+/// What the `inc` kernel makes of `data`: every u32 plus one.
+fn incremented(data: &[u8]) -> Vec<u8> {
+    data.chunks(4)
+        .flat_map(|c| {
+            u32::from_le_bytes(c.try_into().expect("4 bytes"))
+                .wrapping_add(1)
+                .to_le_bytes()
+        })
+        .collect()
+}
+
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
     (0..n)
         .map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed))
@@ -572,14 +583,7 @@ fn svm_pointers_inside_the_tenants_allocations_work() {
         "SVM contents after host->SVM and SVM->SVM copies"
     );
     assert_eq!((err, arg, info), (0, 0, 0));
-    let inc: Vec<u8> = data[4096..8192]
-        .chunks(4)
-        .flat_map(|c| {
-            u32::from_le_bytes(c.try_into().expect("4 bytes"))
-                .wrapping_add(1)
-                .to_le_bytes()
-        })
-        .collect();
+    let inc = incremented(&data[4096..8192]);
     assert!(via_buffer == inc, "the kernel ran on the aliasing buffer");
     assert!(after == inc, "the buffer aliases the SVM allocation");
     assert_eq!(freed, 0);
@@ -615,14 +619,7 @@ fn fine_grained_svm_is_the_same_memory_at_the_same_address() {
     t.c.launch(t.queue, t.kernel, SIZE / 4);
     let mut after = vec![0u8; SIZE as usize];
     arena.read_at(p - base, &mut after).expect("read");
-    let inc: Vec<u8> = data
-        .chunks(4)
-        .flat_map(|c| {
-            u32::from_le_bytes(c.try_into().expect("4 bytes"))
-                .wrapping_add(1)
-                .to_le_bytes()
-        })
-        .collect();
+    let inc = incremented(&data);
     let (copy_ret, copied) = t.c.read(t.queue, p + 4, 8);
     let past_end = t.c.kernel_arg(t.kernel, p + SIZE);
     let other = hira_transport::ShmRegion::create("arena2", ARENA_LEN).expect("memfd");
