@@ -16,6 +16,7 @@ const CL_DEVICE_TYPE_GPU: u64 = 1 << 2;
 const CL_DEVICE_TYPE_ACCELERATOR: u64 = 1 << 3;
 const CL_DEVICE_NOT_FOUND: i32 = -1;
 const CL_DEVICE_NAME: u32 = 0x102B;
+const CL_DEVICE_GLOBAL_MEM_SIZE: u32 = 0x101F;
 
 /// One measured quantity.
 #[derive(Clone, Debug, PartialEq)]
@@ -238,28 +239,51 @@ impl Cl {
     }
 }
 
-fn sync_call(cl: &Cl, n: u32) -> Result<Row> {
+/// `n` calls of clGetDeviceInfo(`param`, up to 256 bytes), µs per call.
+fn device_info_loop(cl: &Cl, n: u32, param: u32, name: &str) -> Result<Row> {
     let f = cl.api.clGetDeviceInfo.context("clGetDeviceInfo missing")?;
-    let mut name = [0u8; 256];
+    let mut value = [0u8; 256];
     let t = Instant::now();
     for _ in 0..n {
         // SAFETY: 256-byte output.
         check("clGetDeviceInfo", unsafe {
             f(
                 cl.device,
-                CL_DEVICE_NAME,
+                param,
                 256,
-                name.as_mut_ptr() as *mut c_void,
+                value.as_mut_ptr() as *mut c_void,
                 std::ptr::null_mut(),
             )
         })?;
     }
     Ok(Row {
-        name: "sync call (clGetDeviceInfo)".into(),
+        name: name.into(),
         value: t.elapsed().as_secs_f64() * 1e6 / n as f64,
         unit: "us/call",
         higher_better: false,
     })
+}
+
+/// A synchronous call that must reach the device: CL_DEVICE_GLOBAL_MEM_SIZE (hira reports
+/// the tenant's quota there, which may change, so the guest never keeps the answer).
+fn sync_call(cl: &Cl, n: u32) -> Result<Row> {
+    device_info_loop(
+        cl,
+        n,
+        CL_DEVICE_GLOBAL_MEM_SIZE,
+        "sync call (clGetDeviceInfo GLOBAL_MEM_SIZE)",
+    )
+}
+
+/// An info query whose answer cannot change (CL_DEVICE_NAME): the guest keeps it after the
+/// first call.
+fn kept_info(cl: &Cl, n: u32) -> Result<Row> {
+    device_info_loop(
+        cl,
+        n,
+        CL_DEVICE_NAME,
+        "info query kept by the guest (DEVICE_NAME)",
+    )
 }
 
 fn async_stream(cl: &Cl, n: u32) -> Result<Row> {
@@ -379,6 +403,7 @@ pub fn worker(quick: bool) -> Result<Vec<Row>> {
     let cl = setup()?;
     let mut rows = vec![
         sync_call(&cl, if quick { 2000 } else { 20000 })?,
+        kept_info(&cl, if quick { 2000 } else { 20000 })?,
         async_stream(&cl, if quick { 10_000 } else { 100_000 })?,
     ];
     let sizes: &[usize] = if quick {

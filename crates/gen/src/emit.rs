@@ -404,20 +404,54 @@ fn guest_decode(spec: &Spec, f: &Function, out: &mut String) {
             ParamKind::OutElement if elem(spec, &p.ty).1.is_some() => continue,
             ParamKind::OutElement => format!("r.out_bytes({n} as *mut u8)?;"),
             ParamKind::OutArray(_) => match elem(spec, &p.ty) {
-                (_, Some(k)) => format!("r.out_handles({n} as *mut *mut c_void, {})?;", kind_const(k)),
+                (_, Some(k)) => format!(
+                    "r.out_handles({n} as *mut *mut c_void, {})?;",
+                    kind_const(k)
+                ),
                 (_, None) => format!("r.out_bytes({n} as *mut u8)?;"),
             },
-            ParamKind::OutBuffer { info: true, .. } => format!(
-                "let written = r.out_bytes({n} as *mut u8)?;\n        r.info({}, {} as u32, {} as *mut c_void, {n} as *mut u8, written);",
-                op_const(f),
-                param_name.as_deref().unwrap_or("0"),
-                f.params[0].name
-            ),
+            ParamKind::OutBuffer { info: true, .. } => {
+                let mut line = format!(
+                    "let written = r.out_bytes({n} as *mut u8)?;\n        r.info({}, {} as u32, {} as *mut c_void, {n} as *mut u8, written);",
+                    op_const(f),
+                    param_name.as_deref().unwrap_or("0"),
+                    f.params[0].name
+                );
+                if let Some(obj) = plain_info(f) {
+                    let _ = write!(
+                        line,
+                        "\n        if ret == 0 {{ crate::infocache::remember({}, rt::id_of({obj} as *mut c_void), param_name as u32, {n} as *const u8, written); }}",
+                        op_const(f)
+                    );
+                }
+                line
+            }
             ParamKind::OutBuffer { .. } => format!("r.out_bytes({n} as *mut u8)?;"),
             _ => continue,
         };
         let _ = writeln!(out, "        {line}");
     }
+}
+
+/// An info query of the plain shape `(object, param_name, param_value_size, param_value,
+/// param_value_size_ret)`: the object's parameter name. The guest keeps the answers that
+/// cannot change (`crates/guest/src/infocache.rs` says which).
+fn plain_info(f: &Function) -> Option<&str> {
+    let names: Vec<&str> = f.params.iter().map(|p| p.name.as_str()).collect();
+    let info = f
+        .params
+        .iter()
+        .any(|p| matches!(p.kind, ParamKind::OutBuffer { info: true, .. }));
+    (info
+        && names.len() == 5
+        && names[1..]
+            == [
+                "param_name",
+                "param_value_size",
+                "param_value",
+                "param_value_size_ret",
+            ])
+    .then_some(names[0])
 }
 
 fn errcode_param(f: &Function) -> Option<&str> {
@@ -457,6 +491,13 @@ fn guest_stub(spec: &Spec, f: &Function) -> String {
         let _ = writeln!(s, "    rt::create({ec}, {}, || {{", op_const(f));
     } else {
         let _ = writeln!(s, "    rt::status({}, || {{", op_const(f));
+    }
+    if let Some(obj) = plain_info(f) {
+        let _ = writeln!(
+            s,
+            "        // SAFETY: the application's output pointers (API contract).\n        if let Some(ret) = unsafe {{ crate::infocache::lookup({op}, rt::id_of({obj} as *mut c_void), param_name as u32, param_value as *mut u8, param_value_size as usize, param_value_size_ret as *mut usize) }} {{ return Ok(ret); }}",
+            op = op_const(f)
+        );
     }
     let _ = writeln!(s, "        let mut c = rt::Call::new({});", op_const(f));
     let _ = writeln!(s, "        // SAFETY: pointers come from the application under the API's contract.\n        unsafe {{");

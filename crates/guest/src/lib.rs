@@ -7,6 +7,7 @@
 
 mod callbacks;
 mod custom;
+mod infocache;
 mod rt;
 mod staged;
 mod svm;

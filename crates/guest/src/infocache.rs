@@ -1,0 +1,192 @@
+//! Answers to info queries that cannot change, kept in the guest (as AvA and rCUDA do): a
+//! platform's names and versions, a device's limits, a context's devices, a kernel's name
+//! and argument count. Applications ask them over and over (pyopencl asks the platform's
+//! name and version hundreds of times per test module), and each would otherwise be a round
+//! trip of ~17 µs. Only what is fixed for the object's life is kept: never reference or map
+//! counts, never a build status, never the device-memory sizes (the tenant's quota, which
+//! `hira ctl` may change, is reported there), and of device parameters only the standard
+//! ones (a vendor extension may report something live, such as free memory).
+//!
+//! Entries are keyed by the object's id, which the guest never reuses, so an answer cannot
+//! outlive its object into another; at most [`MAX_ENTRIES`] are kept.
+
+use hira_opencl::{
+    OP_CLGETCONTEXTINFO, OP_CLGETDEVICEINFO, OP_CLGETKERNELINFO, OP_CLGETPLATFORMINFO,
+};
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+/// Most answers kept.
+pub const MAX_ENTRIES: usize = 1 << 16;
+
+const CL_SUCCESS: i32 = 0;
+const CL_INVALID_VALUE: i32 = -30;
+
+/// Whether the answer to `param` of `op` is fixed for the object's life.
+pub fn cacheable(op: u16, param: u32) -> bool {
+    match op {
+        OP_CLGETPLATFORMINFO => true,
+        OP_CLGETDEVICEINFO => {
+            const MAX_MEM_ALLOC_SIZE: u32 = 0x1010;
+            const GLOBAL_MEM_SIZE: u32 = 0x101F;
+            const AVAILABLE: u32 = 0x1027;
+            const REFERENCE_COUNT: u32 = 0x1047;
+            (0x1000..=0x107F).contains(&param)
+                && !matches!(
+                    param,
+                    MAX_MEM_ALLOC_SIZE | GLOBAL_MEM_SIZE | AVAILABLE | REFERENCE_COUNT
+                )
+        }
+        // CL_CONTEXT_DEVICES, PROPERTIES, NUM_DEVICES.
+        OP_CLGETCONTEXTINFO => matches!(param, 0x1081..=0x1083),
+        // CL_KERNEL_FUNCTION_NAME, NUM_ARGS, CONTEXT, PROGRAM, ATTRIBUTES.
+        OP_CLGETKERNELINFO => matches!(param, 0x1190 | 0x1191 | 0x1193..=0x1195),
+        _ => false,
+    }
+}
+
+type Key = (u16, u64, u32);
+
+fn cache() -> MutexGuard<'static, HashMap<Key, Box<[u8]>>> {
+    static C: OnceLock<Mutex<HashMap<Key, Box<[u8]>>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// The kept answer to this query, given the way the API gives it: `Some(status)` if there
+/// is one (value and size written as the vendor would), `None` to ask the server.
+///
+/// # Safety
+/// `value` is null or has `size` writable bytes; `size_ret` is null or writable.
+pub unsafe fn lookup(
+    op: u16,
+    id: u64,
+    param: u32,
+    value: *mut u8,
+    size: usize,
+    size_ret: *mut usize,
+) -> Option<i32> {
+    if id == 0 || id == u64::MAX || !cacheable(op, param) {
+        return None;
+    }
+    let c = cache();
+    let kept = c.get(&(op, id, param))?;
+    // SAFETY: the caller's contract.
+    Some(unsafe { answer(kept, value, size, size_ret) })
+}
+
+/// Writes a kept answer as the vendor would: CL_INVALID_VALUE if `value` is too small.
+///
+/// # Safety
+/// As [`lookup`].
+unsafe fn answer(kept: &[u8], value: *mut u8, size: usize, size_ret: *mut usize) -> i32 {
+    if !value.is_null() {
+        if size < kept.len() {
+            return CL_INVALID_VALUE;
+        }
+        // SAFETY: `value` has at least kept.len() writable bytes (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(kept.as_ptr(), value, kept.len()) };
+    }
+    if !size_ret.is_null() {
+        // SAFETY: writable by contract.
+        unsafe { *size_ret = kept.len() };
+    }
+    CL_SUCCESS
+}
+
+/// Keeps a successful answer (`written` bytes at `value`, already in the application's
+/// form: handles translated).
+///
+/// # Safety
+/// `value` is null or has `written` readable bytes.
+pub unsafe fn remember(op: u16, id: u64, param: u32, value: *const u8, written: u64) {
+    if id == 0 || id == u64::MAX || value.is_null() || !cacheable(op, param) {
+        return;
+    }
+    // SAFETY: the caller's contract.
+    let bytes = unsafe { std::slice::from_raw_parts(value, written as usize) };
+    let mut c = cache();
+    if c.len() < MAX_ENTRIES {
+        c.insert((op, id, param), bytes.into());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_answers_that_cannot_change_are_kept() {
+        assert!(cacheable(OP_CLGETPLATFORMINFO, 0x0902));
+        assert!(cacheable(OP_CLGETDEVICEINFO, 0x102B)); // CL_DEVICE_NAME
+        assert!(
+            !cacheable(OP_CLGETDEVICEINFO, 0x101F),
+            "global memory: the live quota"
+        );
+        assert!(
+            !cacheable(OP_CLGETDEVICEINFO, 0x1010),
+            "max allocation: the live quota"
+        );
+        assert!(!cacheable(OP_CLGETDEVICEINFO, 0x1047), "reference count");
+        assert!(
+            !cacheable(OP_CLGETDEVICEINFO, 0x4039),
+            "a vendor's free memory"
+        );
+        assert!(cacheable(OP_CLGETCONTEXTINFO, 0x1081));
+        assert!(!cacheable(OP_CLGETCONTEXTINFO, 0x1080), "reference count");
+        assert!(cacheable(OP_CLGETKERNELINFO, 0x1190));
+        assert!(!cacheable(OP_CLGETKERNELINFO, 0x1192), "reference count");
+        assert!(!cacheable(hira_opencl::OP_CLGETPROGRAMBUILDINFO, 0x1181));
+    }
+
+    #[test]
+    fn kept_answers_come_back_as_the_vendor_gives_them() {
+        // SAFETY: local buffers of the stated sizes.
+        unsafe {
+            let name = c"PoCL".to_bytes_with_nul();
+            remember(OP_CLGETPLATFORMINFO, 7, 0x0902, name.as_ptr(), 5);
+            let mut size = 0usize;
+            let mut buf = [0u8; 8];
+            let only_size = lookup(
+                OP_CLGETPLATFORMINFO,
+                7,
+                0x0902,
+                std::ptr::null_mut(),
+                0,
+                &mut size,
+            );
+            let small = lookup(
+                OP_CLGETPLATFORMINFO,
+                7,
+                0x0902,
+                buf.as_mut_ptr(),
+                4,
+                &mut size,
+            );
+            let full = lookup(
+                OP_CLGETPLATFORMINFO,
+                7,
+                0x0902,
+                buf.as_mut_ptr(),
+                8,
+                std::ptr::null_mut(),
+            );
+            let other = lookup(
+                OP_CLGETPLATFORMINFO,
+                8,
+                0x0902,
+                buf.as_mut_ptr(),
+                8,
+                &mut size,
+            );
+
+            assert_eq!(only_size, Some(CL_SUCCESS));
+            assert_eq!(size, 5);
+            assert_eq!(small, Some(CL_INVALID_VALUE));
+            assert_eq!(full, Some(CL_SUCCESS));
+            assert_eq!(&buf[..5], b"PoCL\0");
+            assert_eq!(other, None, "another object");
+        }
+    }
+}
