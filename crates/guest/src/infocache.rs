@@ -1,6 +1,6 @@
 //! Answers to info queries that cannot change, kept in the guest (as AvA and rCUDA do): a
 //! platform's names and versions, a device's limits, a context's devices, a kernel's name
-//! and argument count. Applications ask them over and over (pyopencl asks the platform's
+//! and argument count, a memory object's type, flags and size. Applications ask them over and over (pyopencl asks the platform's
 //! name and version hundreds of times per test module), and each would otherwise be a round
 //! trip of ~17 µs. Only what is fixed for the object's life is kept: never reference or map
 //! counts, never a build status, never the device-memory sizes (the tenant's quota, which
@@ -8,10 +8,13 @@
 //! ones (a vendor extension may report something live, such as free memory).
 //!
 //! Entries are keyed by the object's id, which the guest never reuses, so an answer cannot
-//! outlive its object into another; at most [`MAX_ENTRIES`] are kept.
+//! outlive its object into another. The guest does not see objects die, so the answers of
+//! dead ones stay until [`MAX_ENTRIES`] are kept; then everything is dropped and the cache
+//! fills again.
 
 use hira_opencl::{
-    OP_CLGETCONTEXTINFO, OP_CLGETDEVICEINFO, OP_CLGETKERNELINFO, OP_CLGETPLATFORMINFO,
+    OP_CLGETCONTEXTINFO, OP_CLGETDEVICEINFO, OP_CLGETKERNELINFO, OP_CLGETMEMOBJECTINFO,
+    OP_CLGETPLATFORMINFO,
 };
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -41,6 +44,9 @@ pub fn cacheable(op: u16, param: u32) -> bool {
         OP_CLGETCONTEXTINFO => matches!(param, 0x1081..=0x1083),
         // CL_KERNEL_FUNCTION_NAME, NUM_ARGS, CONTEXT, PROGRAM, ATTRIBUTES.
         OP_CLGETKERNELINFO => matches!(param, 0x1190 | 0x1191 | 0x1193..=0x1195),
+        // CL_MEM_TYPE, FLAGS, SIZE, HOST_PTR; CONTEXT, ASSOCIATED_MEMOBJECT, OFFSET,
+        // USES_SVM_POINTER, PROPERTIES (not MAP_COUNT or REFERENCE_COUNT).
+        OP_CLGETMEMOBJECTINFO => matches!(param, 0x1100..=0x1103 | 0x1106..=0x110A),
         _ => false,
     }
 }
@@ -107,9 +113,10 @@ pub unsafe fn remember(op: u16, id: u64, param: u32, value: *const u8, written: 
     // SAFETY: the caller's contract.
     let bytes = unsafe { std::slice::from_raw_parts(value, written as usize) };
     let mut c = cache();
-    if c.len() < MAX_ENTRIES {
-        c.insert((op, id, param), bytes.into());
+    if c.len() >= MAX_ENTRIES {
+        c.clear();
     }
+    c.insert((op, id, param), bytes.into());
 }
 
 #[cfg(test)]
@@ -137,7 +144,15 @@ mod tests {
         assert!(!cacheable(OP_CLGETCONTEXTINFO, 0x1080), "reference count");
         assert!(cacheable(OP_CLGETKERNELINFO, 0x1190));
         assert!(!cacheable(OP_CLGETKERNELINFO, 0x1192), "reference count");
+        assert!(cacheable(OP_CLGETMEMOBJECTINFO, 0x1102));
+        assert!(!cacheable(OP_CLGETMEMOBJECTINFO, 0x1104), "map count");
+        assert!(!cacheable(OP_CLGETMEMOBJECTINFO, 0x1105), "reference count");
         assert!(!cacheable(hira_opencl::OP_CLGETPROGRAMBUILDINFO, 0x1181));
+        assert!(
+            !cacheable(hira_opencl::OP_CLGETEVENTINFO, 0x11D3),
+            "an event's status"
+        );
+        assert!(!cacheable(hira_opencl::OP_CLGETIMAGEINFO, 0x1110));
     }
 
     #[test]
