@@ -752,10 +752,19 @@ impl Call {
     pub fn send_async(mut self) -> Result<i32, i32> {
         self.frame(flags::ASYNC)?;
         let buf = std::mem::take(&mut self.w.buf);
-        // Releases may fire destructor callbacks the application waits for without making
-        // another call, and clFlush promises progress: both leave at once.
-        let urgent = self.op == hira_opencl::OP_CLFLUSH
-            || hira_opencl::op(self.op).is_some_and(|o| o.releases);
+        // Releasing a memory object, context or program may fire a destructor callback the
+        // application waits for without making another call, releasing a queue flushes it,
+        // and clFlush promises progress: these leave at once. Releasing an event, a kernel,
+        // a sampler or a device has no such effect and waits for the next send (in a loop of
+        // launch, wait, release, the release would otherwise cost a send of its own).
+        let urgent = matches!(
+            self.op,
+            hira_opencl::OP_CLFLUSH
+                | hira_opencl::OP_CLRELEASEMEMOBJECT
+                | hira_opencl::OP_CLRELEASECONTEXT
+                | hira_opencl::OP_CLRELEASEPROGRAM
+                | hira_opencl::OP_CLRELEASECOMMANDQUEUE
+        );
         with_conn(|c| {
             c.batch.extend_from_slice(&buf);
             if urgent || c.batch.len() >= BATCH_MAX {
