@@ -6,7 +6,9 @@
 # Programs:
 #   tests/programs/c/*.c      -> target/programs/<name>   (cc -O2 x.c -lOpenCL -lpthread):
 #                                info.c, vecadd.c, svm.c (coarse- and fine-grained SVM;
-#                                run a second time with fine grain off, through mirrors)
+#                                run a second time with fine grain off, through mirrors),
+#                                buffers.c (transfers and maps; run a second time with
+#                                buffers kept out of the arena, HIRA_ARENA_BUFFERS=0)
 #   examples/rust-opencl3     -> target/programs/rust/release/hira-example-opencl3
 #
 # Each program is run natively and under `$HIRA run --` (HIRA defaults to
@@ -155,6 +157,26 @@ if [ "$NATIVE_ONLY" = 0 ] && [ -x "$OUT/svm" ]; then
         echo "FAIL svm (coarse-grained SVM through mirrors)"
         fail=$((fail + 1))
         failed+=("svm-mirrors")
+    fi
+fi
+
+# Buffers outside the arena, what hira does on devices that are not the CPU, for transfers
+# with events, and under memory over-subscription: buffers.c once more with placement off
+# in the application's environment, compared line for line with the native run.
+if [ "$NATIVE_ONLY" = 0 ] && [ -x "$OUT/buffers" ]; then
+    rc=0
+    HIRA_ARENA_BUFFERS=0 run_one ordinary buffers "$HIRA" run -- "$OUT/buffers" || rc=$?
+    if [ "$rc" = 0 ] && diff -u --label "buffers (native)" --label "buffers (ordinary)" \
+            "$LOGS/buffers.native.out" "$LOGS/buffers.ordinary.out" >"$LOGS/buffers.ordinary.diff"; then
+        echo "PASS buffers (outside the arena)"
+        pass=$((pass + 1))
+    else
+        echo "   buffers (ordinary): rc=$rc or stdout differs:"
+        head -n 40 "$LOGS/buffers.ordinary.diff" | sed 's/^/     | /'
+        tail -n 5 "$LOGS/buffers.ordinary.err" | sed 's/^/     | /'
+        echo "FAIL buffers (outside the arena)"
+        fail=$((fail + 1))
+        failed+=("buffers-ordinary")
     fi
 fi
 

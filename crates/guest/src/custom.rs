@@ -130,7 +130,7 @@ fn set_err(errcode_ret: *mut i32, e: i32) {
 pub unsafe extern "C" fn clEnqueueMapBuffer(
     queue: *mut c_void,
     buffer: *mut c_void,
-    _blocking: u32,
+    blocking: u32,
     flags: u64,
     offset: usize,
     size: usize,
@@ -139,6 +139,17 @@ pub unsafe extern "C" fn clEnqueueMapBuffer(
     event: *mut *mut c_void,
     errcode_ret: *mut i32,
 ) -> *mut c_void {
+    if crate::direct::placed(buffer) {
+        // In the arena: the vendor maps it in place, and the application gets that address.
+        // SAFETY: forwarded contract.
+        let r = unsafe {
+            crate::direct::app_map(
+                queue, buffer, blocking, flags, offset, size, nwait, wait, event,
+            )
+        };
+        set_err(errcode_ret, r.err().unwrap_or(CL_SUCCESS));
+        return r.map_or(std::ptr::null_mut(), |p| p as *mut c_void);
+    }
     let (p, owned) = match host_memory(buffer, offset, size) {
         Ok(v) => v,
         Err(e) => {
@@ -173,6 +184,8 @@ pub unsafe extern "C" fn clEnqueueMapBuffer(
         set_err(errcode_ret, ret);
         return std::ptr::null_mut();
     }
+    // SAFETY: the event (if any) written by the command above.
+    unsafe { crate::infocache::command_type(event, CL_COMMAND_MAP_BUFFER) };
     mappings().lock().unwrap_or_else(|e| e.into_inner()).insert(
         p as usize,
         Mapping {
@@ -270,6 +283,8 @@ pub unsafe extern "C" fn clEnqueueMapImage(
         set_err(errcode_ret, ret);
         return std::ptr::null_mut();
     }
+    // SAFETY: the event (if any) written by the command above.
+    unsafe { crate::infocache::command_type(event, CL_COMMAND_MAP_IMAGE) };
     // SAFETY: checked non-null above; slice_pitch may be null for 2D images.
     unsafe {
         *row_pitch = row;
@@ -309,7 +324,15 @@ pub unsafe extern "C" fn clEnqueueUnmapMemObject(
             _ => None,
         }
     };
-    let Some(m) = m else { return CL_INVALID_VALUE };
+    let Some(m) = m else {
+        if crate::direct::placed(memobj) {
+            // SAFETY: forwarded contract.
+            return unsafe {
+                crate::direct::app_unmap(queue, memobj, mapped_ptr, nwait, wait, event)
+            };
+        }
+        return CL_INVALID_VALUE;
+    };
     let writes = m.flags & (CL_MAP_WRITE | CL_MAP_WRITE_INVALIDATE_REGION) != 0;
     let ret = match (writes, m.image) {
         // SAFETY: forwarded arguments; the mapping's memory is still ours.
@@ -340,6 +363,10 @@ pub unsafe extern "C" fn clEnqueueUnmapMemObject(
     if let Some(l) = m.owned {
         // SAFETY: allocated in map with this layout.
         unsafe { std::alloc::dealloc(mapped_ptr as *mut u8, l) };
+    }
+    if ret == CL_SUCCESS {
+        // SAFETY: the event (if any) written by the command above.
+        unsafe { crate::infocache::command_type(event, CL_COMMAND_UNMAP_MEM_OBJECT) };
     }
     ret
 }

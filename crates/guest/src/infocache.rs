@@ -13,8 +13,8 @@
 //! fills again.
 
 use hira_opencl::{
-    OP_CLGETCONTEXTINFO, OP_CLGETDEVICEINFO, OP_CLGETKERNELINFO, OP_CLGETMEMOBJECTINFO,
-    OP_CLGETPLATFORMINFO,
+    OP_CLGETCONTEXTINFO, OP_CLGETDEVICEINFO, OP_CLGETEVENTINFO, OP_CLGETKERNELINFO,
+    OP_CLGETMEMOBJECTINFO, OP_CLGETPLATFORMINFO,
 };
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -47,6 +47,8 @@ pub fn cacheable(op: u16, param: u32) -> bool {
         // CL_MEM_TYPE, FLAGS, SIZE, HOST_PTR; CONTEXT, ASSOCIATED_MEMOBJECT, OFFSET,
         // USES_SVM_POINTER, PROPERTIES (not MAP_COUNT or REFERENCE_COUNT).
         OP_CLGETMEMOBJECTINFO => matches!(param, 0x1100..=0x1103 | 0x1106..=0x110A),
+        // CL_EVENT_COMMAND_QUEUE, COMMAND_TYPE, CONTEXT (not the status or reference count).
+        OP_CLGETEVENTINFO => matches!(param, 0x11D0 | 0x11D1 | 0x11D4),
         _ => false,
     }
 }
@@ -119,6 +121,32 @@ pub unsafe fn remember(op: u16, id: u64, param: u32, value: *const u8, written: 
     c.insert((op, id, param), bytes.into());
 }
 
+/// The command an event stands for, where the guest carried it out with other commands
+/// (a map emulated by a read, an SVM map by a marker): the application is told what it
+/// enqueued, as the vendor would tell it.
+///
+/// # Safety
+/// `event` is null or points to the event handle the command wrote.
+pub unsafe fn command_type(event: *mut *mut std::ffi::c_void, ty: u32) {
+    const CL_EVENT_COMMAND_TYPE: u32 = 0x11D1;
+    if event.is_null() {
+        return;
+    }
+    // SAFETY: the caller's contract.
+    let id = crate::rt::id_of(unsafe { *event });
+    if id == 0 || id == u64::MAX {
+        return;
+    }
+    let mut c = cache();
+    if c.len() >= MAX_ENTRIES {
+        c.clear();
+    }
+    c.insert(
+        (OP_CLGETEVENTINFO, id, CL_EVENT_COMMAND_TYPE),
+        ty.to_le_bytes().into(),
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +179,10 @@ mod tests {
         assert!(
             !cacheable(hira_opencl::OP_CLGETEVENTINFO, 0x11D3),
             "an event's status"
+        );
+        assert!(
+            cacheable(hira_opencl::OP_CLGETEVENTINFO, 0x11D1),
+            "command type"
         );
         assert!(!cacheable(hira_opencl::OP_CLGETIMAGEINFO, 0x1110));
     }

@@ -7,6 +7,7 @@
 
 mod callbacks;
 mod custom;
+mod direct;
 mod infocache;
 mod rt;
 mod staged;

@@ -47,6 +47,8 @@ pub struct Shell {
     pub kind: u8,
     /// CL_MEM_USE_HOST_PTR buffers: the application's pointer.
     pub host_ptr: std::sync::atomic::AtomicPtr<c_void>,
+    /// Buffers the server placed in the arena: where their bytes are (0: elsewhere).
+    pub arena: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Default)]
@@ -76,6 +78,7 @@ pub fn shell(id: u64, kind: u8) -> *mut c_void {
         id,
         kind,
         host_ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+        arena: std::sync::atomic::AtomicUsize::new(0),
     });
     let p = Box::into_raw(b) as usize;
     s.by_id.insert(id, p);
@@ -883,6 +886,16 @@ impl Reply {
         if !self.use_host_ptr.is_null() {
             set_host_ptr(h, self.use_host_ptr);
         }
+        if matches!(
+            self.op,
+            hira_opencl::OP_CLCREATEBUFFER | hira_opencl::OP_CLCREATEBUFFERWITHPROPERTIES
+        ) {
+            // The server's reply ends with where it placed the buffer in the arena (0: not).
+            let placed = self.reader().u64().unwrap_or(0);
+            if let Some(s) = shell_ref(h).filter(|_| placed != 0) {
+                s.arena.store(placed as usize, Ordering::Relaxed);
+            }
+        }
         h
     }
 
@@ -1053,9 +1066,16 @@ pub fn status(_op: u16, f: impl FnOnce() -> Result<i32, i32>) -> i32 {
 /// Run an object-creating call: writes errcode_ret and returns the handle (or null).
 pub fn create(
     errcode_ret: *mut i32,
-    _op: u16,
+    op: u16,
     f: impl FnOnce() -> Result<(*mut c_void, i32), i32>,
 ) -> *mut c_void {
+    if matches!(
+        op,
+        hira_opencl::OP_CLCREATEBUFFER | hira_opencl::OP_CLCREATEBUFFERWITHPROPERTIES
+    ) {
+        // The server places buffers in the arena where the device allows (its `direct.rs`).
+        crate::svm::ensure_arena();
+    }
     let (h, err) = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok((h, err))) => (
             if err == CL_SUCCESS {

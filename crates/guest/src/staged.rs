@@ -30,7 +30,8 @@ fn pending() -> std::sync::MutexGuard<'static, Vec<Pending>> {
 static NEXT: AtomicU64 = AtomicU64::new(1);
 static ANY: AtomicU64 = AtomicU64::new(0);
 
-/// `clEnqueueReadBuffer`: blocking reads go straight through; non-blocking ones are staged.
+/// `clEnqueueReadBuffer`: blocking reads of a buffer in the arena are copied in place (`direct.rs`),
+/// other blocking reads go straight through; non-blocking ones are staged.
 ///
 /// # Safety
 /// Standard `clEnqueueReadBuffer` contract.
@@ -45,6 +46,25 @@ pub unsafe extern "C" fn clEnqueueReadBuffer(
     wait: *const *mut c_void,
     event: *mut *mut c_void,
 ) -> i32 {
+    if blocking != 0 && event.is_null() && size >= crate::direct::DIRECT_FROM && !ptr.is_null() {
+        // SAFETY: forwarded contract (blocking, no event).
+        let direct = unsafe {
+            crate::direct::transfer(
+                false,
+                queue,
+                buffer,
+                offset,
+                size,
+                ptr as *mut u8,
+                nwait,
+                wait,
+            )
+        };
+        if let Some(ret) = direct {
+            drain();
+            return ret;
+        }
+    }
     if blocking != 0 && nwait == 0 && size >= crate::transfer::PIPELINE_FROM && !ptr.is_null() {
         // SAFETY: forwarded contract (blocking, no wait list).
         return unsafe {
@@ -165,7 +185,8 @@ pub fn drains_after(opcode: u16) -> bool {
     )
 }
 
-/// `clEnqueueWriteBuffer`: large blocking writes are pipelined; the rest go straight through.
+/// `clEnqueueWriteBuffer`: blocking writes of a buffer in the arena are copied in place
+/// (`direct.rs`), other large blocking writes are pipelined; the rest go straight through.
 ///
 /// # Safety
 /// Standard `clEnqueueWriteBuffer` contract.
@@ -180,6 +201,25 @@ pub unsafe extern "C" fn clEnqueueWriteBuffer(
     wait: *const *mut c_void,
     event: *mut *mut c_void,
 ) -> i32 {
+    if blocking != 0 && event.is_null() && size >= crate::direct::DIRECT_FROM && !ptr.is_null() {
+        // SAFETY: forwarded contract (blocking, no event).
+        let direct = unsafe {
+            crate::direct::transfer(
+                true,
+                queue,
+                buffer,
+                offset,
+                size,
+                ptr as *mut u8,
+                nwait,
+                wait,
+            )
+        };
+        if let Some(ret) = direct {
+            drain();
+            return ret;
+        }
+    }
     if blocking != 0 && nwait == 0 && size >= crate::transfer::PIPELINE_FROM && !ptr.is_null() {
         // SAFETY: forwarded contract (blocking, no wait list).
         return unsafe {

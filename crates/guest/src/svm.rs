@@ -99,11 +99,8 @@ fn send_arena(region: &hira_transport::ShmRegion) -> Result<(), i32> {
     rt::with_conn(|c| c.send_control_fd(hira_wire::control::SVM_ARENA, &payload, region.fd()))
 }
 
-/// A fine-grained allocation in the arena, which is made and sent on first use. When the
-/// arena's address is taken in the server, the server offers a free one: the arena is mapped
-/// there too and sent again (a few times at most).
-fn fine_alloc(context: *mut c_void, flags: u64, size: usize, alignment: u32) -> *mut c_void {
-    let mut st = arena();
+/// Makes and sends this process's arena unless it has one; false when it cannot.
+fn made(st: &mut Option<GuestArena>) -> bool {
     let pid = std::process::id();
     if st.as_ref().is_some_and(|a| a.pid != pid) {
         // Inherited from the parent, whose allocations still live in it: keep it mapped.
@@ -111,14 +108,51 @@ fn fine_alloc(context: *mut c_void, flags: u64, size: usize, alignment: u32) -> 
     }
     if st.is_none() {
         let made = hira_transport::ShmRegion::create("hira-svm", ARENA_LEN)
-            .map_err(|e| log(&format!("clSVMAlloc: no arena: {e}")))
+            .map_err(|e| log(&format!("no SVM arena: {e}")))
             .ok()
             .filter(|r| send_arena(r).is_ok());
         let Some(region) = made else {
-            return std::ptr::null_mut();
+            return false;
         };
         *st = Some(GuestArena { region, pid });
     }
+    true
+}
+
+/// Before a buffer is created: the arena, where the server places buffers on devices that
+/// allow it (its `direct.rs`), is in place. `HIRA_ARENA_BUFFERS=0` or `HIRA_FINE_SVM=0` in
+/// the application's environment keep buffers out of it.
+pub(crate) fn ensure_arena() {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off = *OFF.get_or_init(|| {
+        ["HIRA_ARENA_BUFFERS", "HIRA_FINE_SVM"]
+            .iter()
+            .any(|k| std::env::var_os(k).is_some_and(|v| v == "0"))
+    });
+    if !off {
+        made(&mut arena());
+    }
+}
+
+/// Whether `[p, p + len)` lies inside this process's arena.
+pub(crate) fn in_arena(p: usize, len: usize) -> bool {
+    arena().as_ref().is_some_and(|a| {
+        let base = a.region.as_ptr() as usize;
+        p >= base
+            && p.checked_add(len)
+                .is_some_and(|end| end <= base + a.region.len())
+    })
+}
+
+/// A fine-grained allocation in the arena, which is made and sent on first use. When the
+/// arena's address is taken in the server, the server offers a free one: the arena is mapped
+/// there too and sent again (a few times at most).
+fn fine_alloc(context: *mut c_void, flags: u64, size: usize, alignment: u32) -> *mut c_void {
+    let mut st = arena();
+    if !made(&mut st) {
+        return std::ptr::null_mut();
+    }
+    let pid = std::process::id();
     for _ in 0..4 {
         let (p, offer) = alloc_on_server(context, flags, size, alignment).unwrap_or((0, 0));
         if p != 0 {
@@ -263,7 +297,7 @@ fn null_on_panic(f: impl FnOnce() -> *mut c_void) -> *mut c_void {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or(std::ptr::null_mut())
 }
 
-fn log(what: &str) {
+pub(crate) fn log(what: &str) {
     if std::env::var_os("HIRA_DEBUG").is_some() {
         eprintln!("hira: {what}");
     }
@@ -704,6 +738,8 @@ pub unsafe extern "C" fn clEnqueueSVMMap(
             }
         };
         if ret == CL_SUCCESS {
+            // SAFETY: the event (if any) written by the command above.
+            unsafe { crate::infocache::command_type(event, CL_COMMAND_SVM_MAP) };
             maps().entry(svm_ptr as usize).or_default().push(Mapped {
                 size,
                 writes,
@@ -792,7 +828,7 @@ pub unsafe extern "C" fn clEnqueueSVMUnmap(
         let untouched = m
             .as_ref()
             .is_some_and(|m| m.staging != 0 && crate::staged::cancel(m.staging));
-        match m {
+        let ret = match m {
             Some(m) if m.writes && !untouched => {
                 // The application is done writing: its bytes go to the allocation now.
                 let mut c = Call::new(OP_CLENQUEUESVMUNMAP);
@@ -809,7 +845,12 @@ pub unsafe extern "C" fn clEnqueueSVMUnmap(
             // Read-only (or not mapped): only the event and the ordering remain.
             // SAFETY: forwarded arguments.
             _ => Ok(unsafe { stubs::clEnqueueMarkerWithWaitList(queue, nwait, wait, event) }),
+        };
+        if ret == Ok(CL_SUCCESS) {
+            // SAFETY: the event (if any) written by the command above.
+            unsafe { crate::infocache::command_type(event, CL_COMMAND_SVM_UNMAP) };
         }
+        ret
     })
 }
 

@@ -34,6 +34,11 @@ pub const CL_MEM_COPY_HOST_PTR: u64 = 1 << 5;
 pub const CL_MAP_READ: u64 = 1;
 pub const CL_MAP_WRITE: u64 = 2;
 pub const CL_MAP_WRITE_INVALIDATE_REGION: u64 = 4;
+pub const CL_COMMAND_MAP_BUFFER: u32 = 0x11FB;
+pub const CL_COMMAND_MAP_IMAGE: u32 = 0x11FC;
+pub const CL_COMMAND_UNMAP_MEM_OBJECT: u32 = 0x11FD;
+pub const CL_COMMAND_SVM_MAP: u32 = 0x120C;
+pub const CL_COMMAND_SVM_UNMAP: u32 = 0x120D;
 
 pub const CL_CONTEXT_PLATFORM: i64 = 0x1084;
 pub const CL_QUEUE_PROPERTIES: u64 = 0x1093;

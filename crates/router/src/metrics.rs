@@ -31,7 +31,8 @@ pub struct TenantMetrics {
     pub bytes_in: AtomicU64,
     /// Frame bytes server → guest.
     pub bytes_out: AtomicU64,
-    /// Bulk bytes moved through shared memory, as announced by request headers.
+    /// Bulk bytes moved through shared memory, as announced by request headers, and mapped
+    /// in the arena for the guest to move in place.
     pub bulk: AtomicU64,
     /// Device time reported by replies.
     pub device_ns: AtomicU64,

@@ -1517,6 +1517,11 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
         }
         m.bytes_in.fetch_add(u64::from(h.len), Relaxed);
         m.bulk.fetch_add(h.bulk, Relaxed);
+        if h.opcode == hira_opencl::OP_HIRAENQUEUEMAPARENA {
+            // A map of a buffer in the arena: the guest moves the bytes in place.
+            m.bulk
+                .fetch_add(arena_map_bytes(&frame[HEADER_LEN..]), Relaxed);
+        }
         let mut refused = None;
         if h.kind == Kind::Request {
             m.count_call(h.opcode);
@@ -1804,4 +1809,15 @@ fn control_loop(t: &Tenant, mut reader: FrameReader) {
         }
     }
     t.server_died("control socket closed");
+}
+
+/// The size a `hiraEnqueueMapArena` request maps (its sixth word; 0 if it cannot be read).
+fn arena_map_bytes(payload: &[u8]) -> u64 {
+    let mut r = hira_wire::Reader::new(payload);
+    for _ in 0..5 {
+        if r.u64().is_err() {
+            return 0;
+        }
+    }
+    r.u64().unwrap_or(0)
 }

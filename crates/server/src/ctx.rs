@@ -94,6 +94,8 @@ pub struct Shared {
     pub(crate) swap: crate::swap::Swap,
     /// The tenant's SVM allocations: the only server pointers it may name.
     pub(crate) svm: crate::svm::Table,
+    /// The tenant's buffers placed in its arena (`direct.rs`).
+    pub(crate) direct: crate::direct::Buffers,
     /// Where kernel completions are counted for the router (`control::DONE_PAGE`); until it
     /// comes, every completion is a DONE message.
     pub(crate) done_page: std::sync::OnceLock<hira_transport::CompletionPage>,
@@ -115,6 +117,7 @@ impl Shared {
             quota: AtomicU64::new(0),
             swap: crate::swap::Swap::default(),
             svm: crate::svm::Table::default(),
+            direct: crate::direct::Buffers::default(),
             done_page: std::sync::OnceLock::new(),
         })
     }

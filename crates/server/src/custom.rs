@@ -6,6 +6,10 @@ use hira_opencl::*;
 use hira_wire::{Reader, Writer};
 use std::ffi::c_void;
 
+pub use crate::direct::{
+    h_clCreateBuffer, h_clCreateBufferWithProperties, h_clGetMemObjectInfo, h_hiraEnqueueMapArena,
+    h_hiraEnqueueUnmapArena,
+};
 pub use crate::svm::{
     h_clEnqueueSVMFree, h_clEnqueueSVMMap, h_clEnqueueSVMMemFill, h_clEnqueueSVMMemcpy,
     h_clEnqueueSVMMigrateMem, h_clEnqueueSVMUnmap, h_clSVMAlloc, h_clSVMFree,

@@ -8,6 +8,7 @@
 mod arena;
 mod ctx;
 mod custom;
+mod direct;
 mod expr;
 mod serve;
 mod svm;

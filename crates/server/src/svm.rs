@@ -108,7 +108,7 @@ impl Table {
         self.lock().len()
     }
 
-    fn arena(&self) -> MutexGuard<'_, Option<Arena>> {
+    pub(crate) fn arena(&self) -> MutexGuard<'_, Option<Arena>> {
         self.arena.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -184,7 +184,7 @@ pub(crate) fn capabilities(cx: &Ctx, device: *mut c_void, vendor: u64) -> u64 {
 }
 
 /// Whether every device of `context` takes arena memory.
-fn fine_grain_context(cx: &Ctx, context: *mut c_void) -> bool {
+pub(crate) fn fine_grain_context(cx: &Ctx, context: *mut c_void) -> bool {
     let Some(f) = cx.api.clGetContextInfo else {
         return false;
     };

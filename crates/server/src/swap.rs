@@ -137,6 +137,9 @@ impl Drop for WriteGuard<'_> {
 enum Pin {
     /// CL_MEM_USE_HOST_PTR: the guest keeps the application's memory in step with it.
     UseHostPtr,
+    /// Its storage lies in the tenant's arena, where the guest reads and writes it in place
+    /// (`direct.rs`): a restored copy would live elsewhere.
+    Arena,
     /// CL_MEM_HOST_WRITE_ONLY / HOST_NO_ACCESS: the host cannot read it back.
     HostAccess,
     /// Created with properties: a restore could not recreate them.
@@ -821,7 +824,13 @@ fn after(cx: &mut Ctx, op: u16, payload: &[u8], w: &Writer) {
                 false
             };
             let flags = r.u64().unwrap_or(0);
-            if flags & CL_MEM_USE_HOST_PTR != 0 {
+            // The reply's third word: where the buffer was placed in the arena (0: not).
+            let placed = Reader::new(w.buf.get(12..).unwrap_or(&[]))
+                .u64()
+                .unwrap_or(0);
+            if placed != 0 {
+                swap.pin(id, Pin::Arena);
+            } else if flags & CL_MEM_USE_HOST_PTR != 0 {
                 swap.pin(id, Pin::UseHostPtr);
             } else if props {
                 swap.pin(id, Pin::Properties);

@@ -661,3 +661,173 @@ fn fine_grained_svm_is_the_same_memory_at_the_same_address() {
     assert_eq!(unsealed, (CL_MEM_OBJECT_ALLOCATION_FAILURE, 0, 0));
     assert_eq!(u.server.log_count("SVM arena refused", 1), 1);
 }
+
+const CL_MEM_COPY_HOST_PTR: u64 = 1 << 5;
+const CL_MEM_FLAGS: u64 = 0x1101;
+const CL_MAP_READ: u64 = 1;
+const CL_INVALID_MEM_OBJECT: i32 = -38;
+
+impl Client {
+    /// clCreateBuffer (COPY_HOST_PTR when `data` is given): (error, id, arena address).
+    fn buffer(
+        &mut self,
+        context: u64,
+        flags: u64,
+        size: u64,
+        data: Option<&[u8]>,
+    ) -> (i32, u64, u64) {
+        let mut w = Writer::default();
+        w.u64(context);
+        w.u64(flags);
+        w.u64(size);
+        w.blob(data.map_or(Blob::Null, Blob::Inline));
+        let (status, rest) = self.call(OP_CLCREATEBUFFER, &w);
+        assert_eq!(status, 0);
+        let mut r = Reader::new(&rest);
+        let (ret, id) = (r.i32().expect("errcode"), r.u64().expect("id"));
+        (ret, id, r.u64().expect("placement"))
+    }
+
+    /// hiraEnqueueMapArena, blocking, no wait list or event: (error, mapped address).
+    fn map_arena(
+        &mut self,
+        queue: u64,
+        buf: u64,
+        flags: u64,
+        offset: u64,
+        size: u64,
+    ) -> (i32, u64) {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(buf);
+        w.u64(1);
+        w.u64(flags);
+        w.u64(offset);
+        w.u64(size);
+        w.u64(0);
+        w.blob(Blob::Null);
+        w.u64(0);
+        w.out_spec(out(8));
+        let (status, rest) = self.call(OP_HIRAENQUEUEMAPARENA, &w);
+        if status != 0 {
+            return (status, 0);
+        }
+        let mut r = Reader::new(&rest);
+        let ret = r.i32().expect("ret");
+        let b = r.bytes().expect("mapped");
+        (ret, u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+
+    fn unmap_arena(&mut self, queue: u64, buf: u64, mapped: u64) -> i32 {
+        let mut w = Writer::default();
+        w.u64(queue);
+        w.u64(buf);
+        w.u64(mapped);
+        no_events(&mut w);
+        self.code(OP_HIRAENQUEUEUNMAPARENA, &w)
+    }
+
+    fn mem_flags(&mut self, mem: u64) -> u64 {
+        let mut w = Writer::default();
+        w.u64(mem);
+        w.u64(CL_MEM_FLAGS);
+        w.u64(8);
+        w.out_spec(out(8));
+        w.out_spec(out(8));
+        let rest = self.ok(OP_CLGETMEMOBJECTINFO, &w);
+        let b = Reader::new(&rest).bytes().expect("flags");
+        u64::from_le_bytes(b.try_into().expect("8 bytes"))
+    }
+
+    fn release_mem(&mut self, mem: u64) {
+        let mut w = Writer::default();
+        w.u64(mem);
+        self.ok(OP_CLRELEASEMEMOBJECT, &w);
+    }
+}
+
+/// Buffers in the arena (`crates/server/src/direct.rs`): once the tenant's arena is in place,
+/// a plain buffer is made in it. Its bytes are the arena's at the address the reply names (a
+/// kernel's writes show there with no copy), a map hands out that address, the tenant's view
+/// of its flags is unchanged, and a released buffer's range is used again. Maps and unmaps
+/// of anything else are refused with the API's errors and a log line.
+#[test]
+fn buffers_live_in_the_arena_and_map_in_place() {
+    const SIZE: u64 = 1 << 16;
+    let mut t = tenant();
+    let (none_ret, _, none) = t.c.buffer(t.context, CL_MEM_READ_WRITE, SIZE, None);
+    let mut arena = hira_transport::ShmRegion::create("arena", ARENA_LEN).expect("memfd");
+    t.c.send_arena(arena.fd(), arena.as_ptr() as usize, ARENA_LEN);
+    let (_, p, offer) = t.c.fine_alloc(t.context, 4096);
+    if p == 0 && offer != 0 {
+        // The address was taken in the server: map the arena where it offers, as the guest does.
+        arena = arena.map_again_at(offer as usize).expect("offered address");
+        t.c.send_arena(arena.fd(), arena.as_ptr() as usize, ARENA_LEN);
+    } else {
+        assert_eq!(t.c.svm_free(t.context, p), 0);
+    }
+    let base = arena.as_ptr() as u64;
+    let data = pattern(SIZE as usize, 3);
+    let (ret, buf, placed) = t.c.buffer(
+        t.context,
+        CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
+        SIZE,
+        Some(&data),
+    );
+    let inside = placed >= base && placed + SIZE <= base + ARENA_LEN as u64;
+    let mut initial = vec![0u8; SIZE as usize];
+    arena.read_at(placed - base, &mut initial).expect("read");
+    let mut w = Writer::default();
+    w.u64(t.kernel);
+    w.u64(0);
+    w.u64(8);
+    w.u8(2);
+    w.u64(buf);
+    t.c.ok(OP_CLSETKERNELARG, &w);
+    t.c.launch(t.queue, t.kernel, SIZE / 4);
+    let mut after = vec![0u8; SIZE as usize];
+    arena.read_at(placed - base, &mut after).expect("read");
+    let (map_ret, mapped) = t.c.map_arena(t.queue, buf, CL_MAP_READ, 4096, 4096);
+    let outside = t.c.unmap_arena(t.queue, buf, placed + 2 * SIZE);
+    let outside_logged = t
+        .server
+        .log_count("unmap of a pointer outside the buffer refused", 1);
+    let unmapped = t.c.unmap_arena(t.queue, buf, mapped);
+    let past_end = t.c.map_arena(t.queue, buf, CL_MAP_READ, SIZE, 4096);
+    let flags = t.c.mem_flags(buf);
+    let through_api = t.c.read_buffer(t.queue, buf, SIZE);
+    // A USE_HOST_PTR buffer lives in the server's own copy: not in the arena, no arena maps.
+    let (own_ret, own, own_placed) = t.c.buffer(
+        t.context,
+        CL_MEM_READ_WRITE | CL_MEM_USE_HOST_PTR,
+        SIZE,
+        Some(&data),
+    );
+    let not_placed = t.c.map_arena(t.queue, own, CL_MAP_READ, 0, 4096);
+    let not_placed_unmap = t.c.unmap_arena(t.queue, own, placed);
+    t.c.release_mem(buf);
+    let (_, _, again) = t.c.buffer(t.context, CL_MEM_READ_WRITE, SIZE, None);
+
+    assert_eq!((none_ret, none), (0, 0), "no arena, no placement");
+    assert_eq!(ret, 0);
+    assert!(
+        inside,
+        "buffer at {placed:#x} outside the arena at {base:#x}"
+    );
+    assert!(initial == data, "COPY_HOST_PTR bytes are in the arena");
+    assert!(after == incremented(&data), "the kernel wrote the arena");
+    assert_eq!((map_ret, mapped), (0, placed + 4096), "mapped in place");
+    assert_eq!((outside, outside_logged), (CL_INVALID_VALUE, 1));
+    assert_eq!(unmapped, 0);
+    assert_eq!(past_end.0, CL_INVALID_VALUE, "the vendor checks the region");
+    assert_eq!(
+        flags,
+        CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
+        "the tenant's own flags"
+    );
+    assert!(through_api == incremented(&data));
+    assert_eq!((own_ret, own_placed), (0, 0));
+    assert_eq!(not_placed.0, CL_INVALID_MEM_OBJECT);
+    assert_eq!(not_placed_unmap, CL_INVALID_MEM_OBJECT);
+    assert_eq!(again, placed, "a released buffer's range is used again");
+}
