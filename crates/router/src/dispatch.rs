@@ -220,17 +220,22 @@ impl Dispatcher {
             if st.sync_pages(now) {
                 continue;
             }
-            let Some(cv) = st.tenants.get(&t).map(|s| Arc::clone(&s.cv)) else {
-                return false;
-            };
             let sleep = st
                 .next_wake
                 .map_or(MAX_SLEEP, |u| Duration::from_nanos(u.saturating_sub(now)))
                 .clamp(Duration::from_micros(50), MAX_SLEEP);
+            let Some(slot) = st.tenants.get_mut(&t) else {
+                return false;
+            };
+            slot.sleepers += 1;
+            let cv = Arc::clone(&slot.cv);
             st = cv
                 .wait_timeout(st, sleep)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
+            if let Some(slot) = st.tenants.get_mut(&t) {
+                slot.sleepers = slot.sleepers.saturating_sub(1);
+            }
         }
     }
 
@@ -352,11 +357,21 @@ struct Slot {
     stopped: Option<String>,
     /// The tenant's waiting threads sleep here.
     cv: Arc<Condvar>,
+    /// How many of them sleep there now (a notification without sleepers would still cost
+    /// a futex system call, once per kernel).
+    sleepers: u32,
     /// Where the tenant's server counts completions, and the totals already applied.
     page: Option<(Arc<CompletionPage>, (u64, u64))>,
 }
 
 impl Slot {
+    /// Wakes the tenant's sleeping threads, if any.
+    fn wake(&self) {
+        if self.sleepers > 0 {
+            self.cv.notify_all();
+        }
+    }
+
     /// Commands the scheduler has queued (or picked) that have no slot yet.
     fn ready(&self) -> u32 {
         self.waiting.saturating_sub(self.granted)
@@ -405,6 +420,7 @@ impl State {
                     queue_wait_ns: 0,
                     stopped: None,
                     cv: Arc::new(Condvar::new()),
+                    sleepers: 0,
                     page: None,
                 };
                 self.tenants.insert(t, slot);
@@ -467,7 +483,7 @@ impl State {
     fn remove(&mut self, t: TenantId, now: Nanos) -> Option<SchedView> {
         let view = self.view(t);
         let slot = self.tenants.remove(&t)?;
-        slot.cv.notify_all();
+        slot.wake();
         self.sched.remove_tenant(t, now);
         if self.next.is_some_and(|(n, _)| n == t) {
             self.next = None;
@@ -606,7 +622,7 @@ impl State {
         self.policy = policy;
         self.next = None;
         self.pump(now);
-        self.tenants.values().for_each(|s| s.cv.notify_all());
+        self.tenants.values().for_each(Slot::wake);
     }
 
     fn take_runaway(&mut self, why: &str, now: Nanos) -> Option<(TenantId, Duration)> {
@@ -625,7 +641,7 @@ impl State {
         for (&u, s) in self.tenants.iter_mut() {
             if u == t {
                 s.stopped = Some(why.to_string());
-                s.cv.notify_all();
+                s.wake();
             } else {
                 s.last_done = s.last_done.max(now);
             }
@@ -698,7 +714,7 @@ impl State {
         };
         slot.granted += 1;
         slot.dispatched.push_back(now);
-        slot.cv.notify_all();
+        slot.wake();
         self.owner = Some(t);
         self.inflight += 1;
         self.dispatched += 1;
@@ -735,7 +751,7 @@ impl State {
         // Waiters sleep until the earliest timed decision; one that moved earlier needs
         // someone awake to act on it.
         if self.next_wake.is_some_and(|w| before.is_none_or(|b| w < b)) {
-            self.tenants.values().for_each(|s| s.cv.notify_all());
+            self.tenants.values().for_each(Slot::wake);
         }
     }
 
