@@ -117,16 +117,26 @@ pub fn spin() -> Result<()> {
     cl.finish()
 }
 
-/// Iterations of madd that take `target` on this machine's device, measured natively.
+/// Iterations of madd that take `target` of device time on this machine, measured natively
+/// once the device is warm, with launches queued back to back as the tenants queue them.
+/// From cold, the first ~100 ms of kernels run up to 1.8× slower here (PoCL's threads and
+/// the virtual CPUs waking up: a launch that takes 0.53 ms warm took 0.95 ms of device time
+/// cold), which once made the "1 ms" kernel 0.7 ms long.
 pub fn calibrate(target: Duration) -> Result<u32> {
     let k = Madd::new()?;
+    let queued = |iters: u32, n: u32| -> Result<()> {
+        let evs = (0..n)
+            .map(|_| k.launch(iters))
+            .collect::<Result<Vec<_>>>()?;
+        evs.into_iter().try_for_each(|e| k.wait(e))
+    };
+    let warm = Instant::now();
+    while warm.elapsed() < Duration::from_millis(500) {
+        queued(2000, 8)?;
+    }
     let time = |iters: u32, n: u32| -> Result<f64> {
-        k.launch(iters).and_then(|e| k.wait(e))?;
         let t = Instant::now();
-        for _ in 0..n {
-            let e = k.launch(iters)?;
-            k.wait(e)?;
-        }
+        queued(iters, n)?;
         k.finish()?;
         Ok(t.elapsed().as_secs_f64() / f64::from(n))
     };
