@@ -520,14 +520,27 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
 }
 
 /// Kernels per second of one short and one long tenant, each alone and native, for
-/// `seconds` each.
+/// `seconds` each, in 1 s turns (short, long, long, short, …): the machine's speed drifts
+/// within a minute, and a drift between two back-to-back measurements once made the long
+/// kernel 7× the short one instead of 5×, biasing every policy's normalized progress.
 fn solo(o: &FairOpts, short: u32, seconds: f64) -> Result<Solo> {
-    let rate = |iters: u32| -> Result<f64> {
-        Ok(count(spawn_tenant(o, None, iters, seconds)?)? / seconds)
-    };
+    let turns = seconds.ceil().max(1.0) as usize;
+    let each = seconds / turns as f64;
+    let (mut s, mut l) = (0.0, 0.0);
+    for turn in 0..turns {
+        let rate =
+            |iters: u32| -> Result<f64> { Ok(count(spawn_tenant(o, None, iters, each)?)? / each) };
+        if turn % 2 == 0 {
+            s += rate(short)?;
+            l += rate(short * LONG_FACTOR)?;
+        } else {
+            l += rate(short * LONG_FACTOR)?;
+            s += rate(short)?;
+        }
+    }
     Ok(Solo {
-        short: rate(short)?,
-        long: rate(short * LONG_FACTOR)?,
+        short: s / turns as f64,
+        long: l / turns as f64,
     })
 }
 
@@ -558,7 +571,7 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
     if let Some(w) = &o.weights {
         return weighted(o, short, w, report);
     }
-    let solo = solo(o, short, 2.0)?;
+    let solo = solo(o, short, 4.0)?;
     let _ = writeln!(
         report,
         "alone, native: short {:.0} kernels/s, long {:.0} kernels/s (thr/FIFO compares normalized \

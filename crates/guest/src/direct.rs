@@ -155,24 +155,29 @@ pub unsafe fn unmap(
     unsafe { crate::hiraEnqueueUnmapArena(queue, buffer, mapped as u64, nwait, wait, event) }
 }
 
-/// A blocking read or write of a placed buffer without an event: map, copy, unmap. None
-/// when the buffer is not placed (the caller takes the ordinary path).
+/// `clEnqueue{Read,Write}Buffer` of a placed buffer, when it blocks, asks for no event and
+/// moves at least [`DIRECT_FROM`] bytes: map, copy, unmap, then what a blocking transfer
+/// makes the guest do (staged reads that completed are delivered). None otherwise (the
+/// caller takes the ordinary path).
 ///
 /// # Safety
-/// As `clEnqueue{Read,Write}Buffer` with `blocking = CL_TRUE` and no event; `host` has
-/// `size` bytes (readable for writes, writable for reads).
+/// As `clEnqueue{Read,Write}Buffer`; `host` has `size` bytes (readable for writes, writable
+/// for reads).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn transfer(
     write: bool,
     queue: *mut c_void,
     buffer: *mut c_void,
+    blocking: u32,
     offset: usize,
     size: usize,
     host: *mut u8,
     nwait: u32,
     wait: *const *mut c_void,
+    event: *mut *mut c_void,
 ) -> Option<i32> {
-    if !placed(buffer) {
+    if blocking == 0 || !event.is_null() || size < DIRECT_FROM || host.is_null() || !placed(buffer)
+    {
         return None;
     }
     let flags = if write {
@@ -217,5 +222,6 @@ pub unsafe fn transfer(
             std::ptr::null_mut(),
         )
     };
+    crate::staged::drain();
     Some(ret)
 }

@@ -46,24 +46,23 @@ pub unsafe extern "C" fn clEnqueueReadBuffer(
     wait: *const *mut c_void,
     event: *mut *mut c_void,
 ) -> i32 {
-    if blocking != 0 && event.is_null() && size >= crate::direct::DIRECT_FROM && !ptr.is_null() {
-        // SAFETY: forwarded contract (blocking, no event).
-        let direct = unsafe {
-            crate::direct::transfer(
-                false,
-                queue,
-                buffer,
-                offset,
-                size,
-                ptr as *mut u8,
-                nwait,
-                wait,
-            )
-        };
-        if let Some(ret) = direct {
-            drain();
-            return ret;
-        }
+    // SAFETY: forwarded contract.
+    let direct = unsafe {
+        crate::direct::transfer(
+            false,
+            queue,
+            buffer,
+            blocking,
+            offset,
+            size,
+            ptr as *mut u8,
+            nwait,
+            wait,
+            event,
+        )
+    };
+    if let Some(ret) = direct {
+        return ret;
     }
     if blocking != 0 && nwait == 0 && size >= crate::transfer::PIPELINE_FROM && !ptr.is_null() {
         // SAFETY: forwarded contract (blocking, no wait list).
@@ -201,24 +200,23 @@ pub unsafe extern "C" fn clEnqueueWriteBuffer(
     wait: *const *mut c_void,
     event: *mut *mut c_void,
 ) -> i32 {
-    if blocking != 0 && event.is_null() && size >= crate::direct::DIRECT_FROM && !ptr.is_null() {
-        // SAFETY: forwarded contract (blocking, no event).
-        let direct = unsafe {
-            crate::direct::transfer(
-                true,
-                queue,
-                buffer,
-                offset,
-                size,
-                ptr as *mut u8,
-                nwait,
-                wait,
-            )
-        };
-        if let Some(ret) = direct {
-            drain();
-            return ret;
-        }
+    // SAFETY: forwarded contract.
+    let direct = unsafe {
+        crate::direct::transfer(
+            true,
+            queue,
+            buffer,
+            blocking,
+            offset,
+            size,
+            ptr as *mut u8,
+            nwait,
+            wait,
+            event,
+        )
+    };
+    if let Some(ret) = direct {
+        return ret;
     }
     if blocking != 0 && nwait == 0 && size >= crate::transfer::PIPELINE_FROM && !ptr.is_null() {
         // SAFETY: forwarded contract (blocking, no wait list).

@@ -16,51 +16,76 @@ pub use crate::svm::{
     h_clSetKernelArgSVMPointer, h_clSetKernelExecInfo,
 };
 
-/// Device info as the tenant sees it: of SVM, what hira forwards (`svm::capabilities`:
-/// fine-grained only on a CPU device, never system SVM); the quota bounds the memory sizes.
-pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
-    let device = cx.handle(r.u64()?, K_DEVICE)?;
+/// A vendor info query of the shape `(object, param, size, value, size_ret)`.
+pub(crate) type InfoFn =
+    unsafe extern "C" fn(*mut c_void, u32, usize, *mut c_void, *mut usize) -> i32;
+
+/// An info query as the generated handlers run it, with `fix` applied to a successful
+/// answer of at least 8 bytes (`fix(cx, object, param, value)`) before handles are
+/// translated.
+pub(crate) fn info_query(
+    cx: &mut Ctx,
+    r: &mut Reader<'_>,
+    op: u16,
+    kind: u8,
+    f: Option<InfoFn>,
+    fix: impl FnOnce(&Ctx, *mut c_void, u32, *mut u64),
+) -> Result<Writer, Fail> {
+    let object = cx.handle(r.u64()?, kind)?;
     let param = r.u64()? as u32;
     let size = r.u64()?;
     let (vo, so) = (r.out_spec()?, r.out_spec()?);
     r.finish()?;
     let mut value = cx.out(vo, size)?;
     let mut size_ret = cx.out(so, 8)?;
-    let f = cx
-        .api
-        .clGetDeviceInfo
-        .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
-    // SAFETY: outputs sized as the spec says; device validated.
+    let f = f.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
+    let vp = cx.info_ptr(op, param, &mut value);
+    // SAFETY: outputs sized as the spec says; the object validated.
     let ret = unsafe {
         f(
-            device,
+            object,
             param,
             size as usize,
-            value.ptr(),
+            vp,
             size_ret.ptr() as *mut usize,
         )
     };
-    let quota = cx.shared.quota.load(std::sync::atomic::Ordering::Relaxed);
-    if ret == CL_SUCCESS && size >= 8 && !value.ptr().is_null() {
-        let v = value.ptr() as *mut u64;
-        match param {
-            CL_DEVICE_SVM_CAPABILITIES | crate::svm::CL_DEVICE_SVM_CAPABILITIES_ARM => {
-                // SAFETY: at least 8 bytes at v, a cl_bitfield result.
-                unsafe { *v = crate::svm::capabilities(cx, device, *v) }
-            }
-            CL_DEVICE_GLOBAL_MEM_SIZE | CL_DEVICE_MAX_MEM_ALLOC_SIZE if quota != 0 => {
-                // SAFETY: at least 8 bytes at v, a cl_ulong result.
-                unsafe { *v = (*v).min(quota) }
-            }
-            _ => {}
-        }
+    if ret == CL_SUCCESS && size >= 8 && !vp.is_null() {
+        fix(cx, object, param, vp as *mut u64);
     }
-    cx.info_out(OP_CLGETDEVICEINFO, param, &mut value, ret)?;
+    cx.info_out(op, param, &mut value, ret)?;
     let mut w = Writer::default();
     w.i32(ret);
     value.emit(&mut w);
     size_ret.emit(&mut w);
     Ok(w)
+}
+
+/// Device info as the tenant sees it: of SVM, what hira forwards (`svm::capabilities`:
+/// fine-grained only on a CPU device, never system SVM); the quota bounds the memory sizes.
+pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    let f = cx.api.clGetDeviceInfo;
+    info_query(
+        cx,
+        r,
+        OP_CLGETDEVICEINFO,
+        K_DEVICE,
+        f,
+        |cx, device, param, v| {
+            let quota = cx.shared.quota.load(std::sync::atomic::Ordering::Relaxed);
+            match param {
+                CL_DEVICE_SVM_CAPABILITIES | crate::svm::CL_DEVICE_SVM_CAPABILITIES_ARM => {
+                    // SAFETY: at least 8 bytes at v, a cl_bitfield result.
+                    unsafe { *v = crate::svm::capabilities(cx, device, *v) }
+                }
+                CL_DEVICE_GLOBAL_MEM_SIZE | CL_DEVICE_MAX_MEM_ALLOC_SIZE if quota != 0 => {
+                    // SAFETY: at least 8 bytes at v, a cl_ulong result.
+                    unsafe { *v = (*v).min(quota) }
+                }
+                _ => {}
+            }
+        },
+    )
 }
 
 /// Queues always profile, so device time is measured by the device.

@@ -253,33 +253,43 @@ fn placement(cx: &Ctx, mem: *mut c_void) -> Option<Placed> {
 /// clGetMemObjectInfo, as generated, except that CL_MEM_FLAGS of a placed buffer (or of a
 /// sub-buffer of one) reports the host-pointer flags the tenant asked for.
 pub fn h_clGetMemObjectInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
-    let mem = cx.handle(r.u64()?, K_MEM)?;
-    let param = r.u64()? as u32;
-    let size = r.u64()?;
-    let (vo, so) = (r.out_spec()?, r.out_spec()?);
-    r.finish()?;
-    let mut value = cx.out(vo, size)?;
-    let mut size_ret = cx.out(so, 8)?;
-    let f = cx
-        .api
-        .clGetMemObjectInfo
-        .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
-    let vp = cx.info_ptr(OP_CLGETMEMOBJECTINFO, param, &mut value);
-    // SAFETY: outputs sized as the spec says; the object validated.
-    let ret = unsafe { f(mem, param, size as usize, vp, size_ret.ptr() as *mut usize) };
-    if ret == CL_SUCCESS && param == CL_MEM_FLAGS && size >= 8 && !vp.is_null() {
-        if let Some(p) = placement(cx, mem) {
-            let v = vp as *mut u64;
-            // SAFETY: at least 8 bytes at v, a cl_mem_flags result.
-            unsafe { *v = (*v & !HOST_FLAGS) | (p.flags & HOST_FLAGS) };
-        }
+    let f = cx.api.clGetMemObjectInfo;
+    crate::custom::info_query(
+        cx,
+        r,
+        OP_CLGETMEMOBJECTINFO,
+        K_MEM,
+        f,
+        |cx, mem, param, v| {
+            if param != CL_MEM_FLAGS {
+                return;
+            }
+            if let Some(p) = placement(cx, mem) {
+                // SAFETY: at least 8 bytes at v, a cl_mem_flags result.
+                unsafe { *v = (*v & !HOST_FLAGS) | (p.flags & HOST_FLAGS) };
+            }
+        },
+    )
+}
+
+/// Where the vendor writes an enqueue's event: for the guest's event id (bound afterwards),
+/// for hira's own device-time accounting, or nowhere.
+fn event_slot(cx: &Ctx, event_id: u64, ev: &mut *mut c_void) -> *mut *mut c_void {
+    if event_id != 0 || cx.wants_event(cx.gated()) {
+        ev
+    } else {
+        std::ptr::null_mut()
     }
-    cx.info_out(OP_CLGETMEMOBJECTINFO, param, &mut value, ret)?;
-    let mut w = Writer::default();
-    w.i32(ret);
-    value.emit(&mut w);
-    size_ret.emit(&mut w);
-    Ok(w)
+}
+
+/// After an enqueue: the event goes to the guest's id (or is released once complete).
+fn enqueued(cx: &mut Ctx, ret: i32, ev: *mut c_void, event_id: u64) -> Result<(), Fail> {
+    let gated = cx.gated();
+    cx.track_event(ret, ev, event_id == 0, gated);
+    if ret == CL_SUCCESS && event_id != 0 && !ev.is_null() {
+        cx.bind(event_id, ev, K_EVENT)?;
+    }
+    Ok(())
 }
 
 /// A request naming a buffer that was not placed in the arena: refused and logged.
@@ -311,9 +321,8 @@ pub fn h_hiraEnqueueMapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer,
         .api
         .clEnqueueMapBuffer
         .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
-    let gated = cx.gated();
-    let want = event_id == 0 && cx.wants_event(gated);
     let mut ev: *mut c_void = std::ptr::null_mut();
+    let slot = event_slot(cx, event_id, &mut ev);
     let mut err = CL_SUCCESS;
     // SAFETY: validated handles and wait list; the vendor checks the region and flags.
     let ptr = unsafe {
@@ -326,18 +335,11 @@ pub fn h_hiraEnqueueMapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer,
             size,
             nwait,
             wait.ptr(),
-            if event_id != 0 || want {
-                &mut ev
-            } else {
-                std::ptr::null_mut()
-            },
+            slot,
             &mut err,
         )
     };
-    cx.track_event(err, ev, event_id == 0, gated);
-    if err == CL_SUCCESS && event_id != 0 && !ev.is_null() {
-        cx.bind(event_id, ev, K_EVENT)?;
-    }
+    enqueued(cx, err, ev, event_id)?;
     if err == CL_SUCCESS && Some(ptr as usize) != p.addr.checked_add(offset) {
         // The vendor mapped elsewhere (OpenCL says it may not): the guest must not use it.
         tracing::warn!(
@@ -396,9 +398,8 @@ pub fn h_hiraEnqueueUnmapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Write
         .api
         .clEnqueueUnmapMemObject
         .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
-    let gated = cx.gated();
-    let want = event_id == 0 && cx.wants_event(gated);
     let mut ev: *mut c_void = std::ptr::null_mut();
+    let slot = event_slot(cx, event_id, &mut ev);
     // SAFETY: validated handles and wait list; the vendor checks that `mapped` is a live
     // mapping of this buffer.
     let ret = unsafe {
@@ -408,17 +409,10 @@ pub fn h_hiraEnqueueUnmapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Write
             mapped as usize as *mut c_void,
             nwait,
             wait.ptr(),
-            if event_id != 0 || want {
-                &mut ev
-            } else {
-                std::ptr::null_mut()
-            },
+            slot,
         )
     };
-    cx.track_event(ret, ev, event_id == 0, gated);
-    if ret == CL_SUCCESS && event_id != 0 && !ev.is_null() {
-        cx.bind(event_id, ev, K_EVENT)?;
-    }
+    enqueued(cx, ret, ev, event_id)?;
     let mut w = Writer::default();
     w.i32(ret);
     Ok(w)
