@@ -522,11 +522,15 @@ fn server_death_fails_pending_and_later_calls() {
     let (_router, socket) = start(false);
     let (mut g, (id, _, _)) = Guest::admitted(&socket, 1);
     let (mut other, _) = Guest::admitted(&socket, 1);
+    // A call answered first: the server has taken the other connection (WELCOME can come
+    // before the server's ATTACH is done, and the fake server's death ends only the
+    // connections it has taken).
+    let (alive, _) = other.call(hira_opencl::OP_CLFINISH, 2, &[0; 8]);
 
     g.send(&frame(Kind::Request, DIE, 7, 0, &[]));
     let (h, payload) = g.recv().unwrap();
     let (later, later_payload) = g.call(hira_opencl::OP_CLFINISH, 8, &[0; 8]);
-    let (other_h, _) = other.call(hira_opencl::OP_CLFINISH, 2, &[0; 8]);
+    let (other_h, _) = other.call(hira_opencl::OP_CLFINISH, 3, &[0; 8]);
     g.send(&frame(
         Kind::Request,
         hira_opencl::OP_CLFLUSH,
@@ -544,6 +548,7 @@ fn server_death_fails_pending_and_later_calls() {
     assert_eq!(status(&payload), cl::CL_OUT_OF_RESOURCES);
     assert_eq!((later.opcode, later.seq), (control::FAILED, 8));
     assert_eq!(status(&later_payload), cl::CL_OUT_OF_RESOURCES);
+    assert_eq!(alive.kind, Kind::Reply);
     assert_eq!(other_h.opcode, control::FAILED);
     assert_eq!(last.seq, 10);
     assert_eq!(t.dropped, 1);
