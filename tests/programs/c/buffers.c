@@ -5,6 +5,7 @@
  * arena and blocking transfers and maps touch them in place). */
 #define CL_TARGET_OPENCL_VERSION 300
 #include <CL/cl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +28,41 @@ static uint64_t sum(const unsigned char *p, size_t n) {
 
 static void fill(unsigned char *p, size_t n, unsigned seed) {
     for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 31 + seed + (i >> 12));
+}
+
+/* One thread's share of the concurrent part: its own queue and buffer, blocking writes
+ * and reads and maps of its own pattern, checked every time. */
+struct worker {
+    cl_context ctx;
+    cl_device_id dev;
+    unsigned seed;
+    int ok;
+};
+
+static void *work(void *arg) {
+    struct worker *w = arg;
+    cl_int err;
+    size_t n = 256 << 10;
+    cl_command_queue q = clCreateCommandQueueWithProperties(w->ctx, w->dev, NULL, &err);
+    cl_mem b = clCreateBuffer(w->ctx, CL_MEM_READ_WRITE, n, NULL, &err);
+    unsigned char *src = malloc(n), *dst = malloc(n);
+    w->ok = err == CL_SUCCESS;
+    for (int i = 0; i < 100 && w->ok; i++) {
+        fill(src, n, w->seed + i);
+        w->ok &= clEnqueueWriteBuffer(q, b, CL_TRUE, 0, n, src, 0, NULL, NULL) == CL_SUCCESS;
+        w->ok &= clEnqueueReadBuffer(q, b, CL_TRUE, 0, n, dst, 0, NULL, NULL) == CL_SUCCESS;
+        w->ok &= memcmp(src, dst, n) == 0;
+        unsigned char *m = clEnqueueMapBuffer(q, b, CL_TRUE, CL_MAP_READ, 4096, 4096, 0, NULL,
+                                              NULL, &err);
+        w->ok &= err == CL_SUCCESS && memcmp(m, src + 4096, 4096) == 0;
+        w->ok &= clEnqueueUnmapMemObject(q, b, m, 0, NULL, NULL) == CL_SUCCESS;
+    }
+    clFinish(q);
+    clReleaseMemObject(b);
+    clReleaseCommandQueue(q);
+    free(src);
+    free(dst);
+    return NULL;
 }
 
 static const char *SRC =
@@ -191,6 +227,20 @@ int main(void) {
     CHECK(clEnqueueUnmapMemObject(q, sub, ms, 0, NULL, NULL));
     CHECK(clFinish(q));
     clReleaseMemObject(sub);
+
+    /* Four threads at once, each on its own queue and buffer. */
+    struct worker ws[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        ws[i] = (struct worker){ctx, dev, 11u * (unsigned)i, 0};
+        pthread_create(&th[i], NULL, work, &ws[i]);
+    }
+    int all = 1;
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        all &= ws[i].ok;
+    }
+    printf("four threads, 100 rounds each: %s\n", all ? "ok" : "WRONG");
 
     /* Many buffers made and released: their memory comes back. */
     for (int i = 0; i < 64; i++) {
