@@ -547,13 +547,7 @@ fn svm_pointers_inside_the_tenants_allocations_work() {
     let (err, buf) = t.c.buffer_on(t.context, p + 4096, 4096);
     let arg = t.c.kernel_arg(t.kernel, p + 8);
     let info = t.c.exec_info(t.kernel, p);
-    let mut w = Writer::default();
-    w.u64(t.kernel);
-    w.u64(0);
-    w.u64(8);
-    w.u8(2);
-    w.u64(buf);
-    t.c.ok(OP_CLSETKERNELARG, &w);
+    t.c.buffer_arg(t.kernel, buf);
     let mut w = Writer::default();
     w.u64(t.queue);
     w.u64(t.kernel);
@@ -739,6 +733,17 @@ impl Client {
         u64::from_le_bytes(b.try_into().expect("8 bytes"))
     }
 
+    /// clSetKernelArg(kernel, 0, buffer).
+    fn buffer_arg(&mut self, kernel: u64, buf: u64) {
+        let mut w = Writer::default();
+        w.u64(kernel);
+        w.u64(0);
+        w.u64(8);
+        w.u8(2);
+        w.u64(buf);
+        self.ok(OP_CLSETKERNELARG, &w);
+    }
+
     fn release_mem(&mut self, mem: u64) {
         let mut w = Writer::default();
         w.u64(mem);
@@ -777,13 +782,7 @@ fn buffers_live_in_the_arena_and_map_in_place() {
     let inside = placed >= base && placed + SIZE <= base + ARENA_LEN as u64;
     let mut initial = vec![0u8; SIZE as usize];
     arena.read_at(placed - base, &mut initial).expect("read");
-    let mut w = Writer::default();
-    w.u64(t.kernel);
-    w.u64(0);
-    w.u64(8);
-    w.u8(2);
-    w.u64(buf);
-    t.c.ok(OP_CLSETKERNELARG, &w);
+    t.c.buffer_arg(t.kernel, buf);
     t.c.launch(t.queue, t.kernel, SIZE / 4);
     let mut after = vec![0u8; SIZE as usize];
     arena.read_at(placed - base, &mut after).expect("read");
