@@ -1821,3 +1821,19 @@ fn arena_map_bytes(payload: &[u8]) -> u64 {
     }
     r.u64().unwrap_or(0)
 }
+
+#[cfg(test)]
+mod tests {
+    /// `hiraEnqueueMapArena` as the guest encodes it (the spec's order): queue, buffer,
+    /// blocking, flags, offset, size, then the wait list and the outputs.
+    #[test]
+    fn an_arena_map_counts_the_bytes_it_maps() {
+        let mut w = hira_wire::Writer::default();
+        for v in [7u64, 8, 1, 4, 4096, 1 << 20, 0] {
+            w.u64(v);
+        }
+        w.blob(hira_wire::Blob::Null);
+        assert_eq!(super::arena_map_bytes(&w.buf), 1 << 20);
+        assert_eq!(super::arena_map_bytes(&w.buf[..40]), 0, "truncated");
+    }
+}
