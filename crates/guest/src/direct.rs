@@ -50,7 +50,16 @@ pub unsafe fn app_map(
     // SAFETY: forwarded contract.
     let p = unsafe {
         map(
-            queue, buffer, blocking, flags, offset, size, nwait, wait, event,
+            queue,
+            buffer,
+            blocking,
+            flags,
+            offset,
+            size,
+            nwait,
+            wait,
+            event,
+            std::ptr::null_mut(),
         )
     }?;
     *live().entry((buffer as usize, p as usize)).or_insert(0) += 1;
@@ -85,10 +94,11 @@ pub unsafe fn app_unmap(
 }
 
 /// Maps `[offset, offset + size)` of a placed buffer; the address lies in this process's
-/// arena (anything else is unmapped again and reported as CL_MAP_FAILURE).
+/// arena (anything else is unmapped again and reported as CL_MAP_FAILURE). A blocking map
+/// writes its QUEUED, SUBMIT and START times to `started` unless that is null.
 ///
 /// # Safety
-/// As `clEnqueueMapBuffer`; `event` is null or writable.
+/// As `clEnqueueMapBuffer`; `event` and `started` are null or writable.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn map(
     queue: *mut c_void,
@@ -100,6 +110,7 @@ pub unsafe fn map(
     nwait: u32,
     wait: *const *mut c_void,
     event: *mut *mut c_void,
+    started: *mut [u64; 3],
 ) -> Result<*mut u8, i32> {
     let mut mapped = 0u64;
     // SAFETY: forwarded contract; mapped is a live 8-byte output.
@@ -115,6 +126,7 @@ pub unsafe fn map(
             wait,
             event,
             &mut mapped,
+            started as *mut u64,
         )
     };
     if ret != CL_SUCCESS {
@@ -155,10 +167,13 @@ pub unsafe fn unmap(
     unsafe { crate::hiraEnqueueUnmapArena(queue, buffer, mapped as u64, nwait, wait, event) }
 }
 
-/// `clEnqueue{Read,Write}Buffer` of a placed buffer, when it blocks, asks for no event and
-/// moves at least [`DIRECT_FROM`] bytes: map, copy, unmap, then what a blocking transfer
-/// makes the guest do (staged reads that completed are delivered). None otherwise (the
-/// caller takes the ordinary path).
+/// `clEnqueue{Read,Write}Buffer` of a placed buffer, when it blocks and moves at least
+/// [`DIRECT_FROM`] bytes: map, copy, unmap, then what a blocking transfer makes the guest do
+/// (staged reads that completed are delivered). None otherwise (the caller takes the
+/// ordinary path). The application's event is the unmap's; the guest answers for it what
+/// the vendor's read or write would: its command type, and its QUEUED, SUBMIT and START
+/// times, which are the map's (END and COMPLETE are the unmap's), so the event spans the
+/// whole transfer.
 ///
 /// # Safety
 /// As `clEnqueue{Read,Write}Buffer`; `host` has `size` bytes (readable for writes, writable
@@ -176,10 +191,10 @@ pub unsafe fn transfer(
     wait: *const *mut c_void,
     event: *mut *mut c_void,
 ) -> Option<i32> {
-    if blocking == 0 || !event.is_null() || size < DIRECT_FROM || host.is_null() || !placed(buffer)
-    {
+    if blocking == 0 || size < DIRECT_FROM || host.is_null() || !placed(buffer) {
         return None;
     }
+    let mut started = [0u64; 3];
     let flags = if write {
         CL_MAP_WRITE_INVALIDATE_REGION
     } else {
@@ -197,6 +212,11 @@ pub unsafe fn transfer(
             nwait,
             wait,
             std::ptr::null_mut(),
+            if event.is_null() {
+                std::ptr::null_mut()
+            } else {
+                &mut started
+            },
         )
     } {
         Ok(p) => p,
@@ -211,17 +231,17 @@ pub unsafe fn transfer(
             std::ptr::copy_nonoverlapping(p as *const u8, host, size);
         }
     }
-    // SAFETY: the mapping made above.
-    let ret = unsafe {
-        unmap(
-            queue,
-            buffer,
-            p as *mut c_void,
-            0,
-            std::ptr::null(),
-            std::ptr::null_mut(),
-        )
-    };
+    // SAFETY: the mapping made above; `event` is null or writable (caller).
+    let ret = unsafe { unmap(queue, buffer, p as *mut c_void, 0, std::ptr::null(), event) };
+    if ret == CL_SUCCESS && !event.is_null() {
+        let ty = if write {
+            CL_COMMAND_WRITE_BUFFER
+        } else {
+            CL_COMMAND_READ_BUFFER
+        };
+        // SAFETY: the event the unmap wrote.
+        unsafe { crate::infocache::transfer_event(event, ty, started) };
+    }
     crate::staged::drain();
     Some(ret)
 }

@@ -13,8 +13,8 @@
 //! fills again.
 
 use hira_opencl::{
-    OP_CLGETCONTEXTINFO, OP_CLGETDEVICEINFO, OP_CLGETEVENTINFO, OP_CLGETKERNELINFO,
-    OP_CLGETMEMOBJECTINFO, OP_CLGETPLATFORMINFO,
+    OP_CLGETCONTEXTINFO, OP_CLGETDEVICEINFO, OP_CLGETEVENTINFO, OP_CLGETEVENTPROFILINGINFO,
+    OP_CLGETKERNELINFO, OP_CLGETMEMOBJECTINFO, OP_CLGETPLATFORMINFO,
 };
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -75,7 +75,8 @@ pub unsafe fn lookup(
     size: usize,
     size_ret: *mut usize,
 ) -> Option<i32> {
-    if id == 0 || id == u64::MAX || !cacheable(op, param) {
+    // Profiling answers are never kept from the server, only set by `transfer_event`.
+    if id == 0 || id == u64::MAX || !(cacheable(op, param) || op == OP_CLGETEVENTPROFILINGINFO) {
         return None;
     }
     let c = cache();
@@ -121,14 +122,11 @@ pub unsafe fn remember(op: u16, id: u64, param: u32, value: *const u8, written: 
     c.insert((op, id, param), bytes.into());
 }
 
-/// The command an event stands for, where the guest carried it out with other commands
-/// (a map emulated by a read, an SVM map by a marker): the application is told what it
-/// enqueued, as the vendor would tell it.
+/// Sets the answers for the event `event` points to (none if it is null or not ours).
 ///
 /// # Safety
-/// `event` is null or points to the event handle the command wrote.
-pub unsafe fn command_type(event: *mut *mut std::ffi::c_void, ty: u32) {
-    const CL_EVENT_COMMAND_TYPE: u32 = 0x11D1;
+/// `event` is null or points to an event handle.
+unsafe fn set(event: *mut *mut std::ffi::c_void, answers: &[(u16, u32, &[u8])]) {
     if event.is_null() {
         return;
     }
@@ -138,13 +136,61 @@ pub unsafe fn command_type(event: *mut *mut std::ffi::c_void, ty: u32) {
         return;
     }
     let mut c = cache();
-    if c.len() >= MAX_ENTRIES {
+    if c.len() + answers.len() > MAX_ENTRIES {
         c.clear();
     }
-    c.insert(
-        (OP_CLGETEVENTINFO, id, CL_EVENT_COMMAND_TYPE),
-        ty.to_le_bytes().into(),
-    );
+    for &(op, param, bytes) in answers {
+        c.insert((op, id, param), bytes.into());
+    }
+}
+
+const CL_EVENT_COMMAND_TYPE: u32 = 0x11D1;
+
+/// The command an event stands for, where the guest carried it out with other commands
+/// (a map emulated by a read, an SVM map by a marker): the application is told what it
+/// enqueued, as the vendor would tell it.
+///
+/// # Safety
+/// `event` is null or points to the event handle the command wrote.
+pub unsafe fn command_type(event: *mut *mut std::ffi::c_void, ty: u32) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        set(
+            event,
+            &[(OP_CLGETEVENTINFO, CL_EVENT_COMMAND_TYPE, &ty.to_le_bytes())],
+        )
+    };
+}
+
+/// A transfer done in place (`direct.rs`): its event, the unmap's, reports the command type
+/// `ty` and the QUEUED, SUBMIT and START times `started` of the map (END and COMPLETE are
+/// the unmap's own, asked of the server).
+///
+/// # Safety
+/// `event` is null or points to the event handle the unmap wrote.
+pub unsafe fn transfer_event(event: *mut *mut std::ffi::c_void, ty: u32, started: [u64; 3]) {
+    const CL_PROFILING_COMMAND_QUEUED: u32 = 0x1280;
+    let [q, s, t] = started.map(u64::to_le_bytes);
+    // SAFETY: the caller's contract.
+    unsafe {
+        set(
+            event,
+            &[
+                (OP_CLGETEVENTINFO, CL_EVENT_COMMAND_TYPE, &ty.to_le_bytes()),
+                (OP_CLGETEVENTPROFILINGINFO, CL_PROFILING_COMMAND_QUEUED, &q),
+                (
+                    OP_CLGETEVENTPROFILINGINFO,
+                    CL_PROFILING_COMMAND_QUEUED + 1,
+                    &s,
+                ),
+                (
+                    OP_CLGETEVENTPROFILINGINFO,
+                    CL_PROFILING_COMMAND_QUEUED + 2,
+                    &t,
+                ),
+            ],
+        )
+    };
 }
 
 #[cfg(test)]

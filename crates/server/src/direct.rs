@@ -311,9 +311,11 @@ pub fn h_hiraEnqueueMapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer,
     let wait_b = r.blob()?;
     let event_id = r.u64()?;
     let mapped_o = r.out_spec()?;
+    let started_o = r.out_spec()?;
     r.finish()?;
     let wait = cx.in_handles(wait_b, u64::from(nwait), K_EVENT)?;
     let mut mapped = cx.out(mapped_o, 8)?;
+    let mut started = cx.out(started_o, 24)?;
     let Some(p) = cx.shared.direct.get(buffer) else {
         return Err(not_placed("hiraEnqueueMapArena"));
     };
@@ -322,7 +324,14 @@ pub fn h_hiraEnqueueMapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer,
         .clEnqueueMapBuffer
         .ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
     let mut ev: *mut c_void = std::ptr::null_mut();
-    let slot = event_slot(cx, event_id, &mut ev);
+    // The start of a blocking map, when asked for, comes from an event of its own.
+    let times = started.ptr() as *mut u64;
+    let times = (!times.is_null() && blocking != 0).then_some(times);
+    let slot = if times.is_some() {
+        &mut ev
+    } else {
+        event_slot(cx, event_id, &mut ev)
+    };
     let mut err = CL_SUCCESS;
     // SAFETY: validated handles and wait list; the vendor checks the region and flags.
     let ptr = unsafe {
@@ -339,6 +348,9 @@ pub fn h_hiraEnqueueMapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer,
             &mut err,
         )
     };
+    if let (Some(times), true) = (times, err == CL_SUCCESS && !ev.is_null()) {
+        profile_start(cx, ev, times);
+    }
     enqueued(cx, err, ev, event_id)?;
     if err == CL_SUCCESS && Some(ptr as usize) != p.addr.checked_add(offset) {
         // The vendor mapped elsewhere (OpenCL says it may not): the guest must not use it.
@@ -369,7 +381,31 @@ pub fn h_hiraEnqueueMapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer,
     let mut w = Writer::default();
     w.i32(err);
     mapped.emit(&mut w);
+    started.emit(&mut w);
     Ok(w)
+}
+
+/// A completed event's CL_PROFILING_COMMAND_QUEUED, SUBMIT and START into `times` (three
+/// u64; zeros where the vendor has none).
+fn profile_start(cx: &Ctx, ev: *mut c_void, times: *mut u64) {
+    const CL_PROFILING_COMMAND_QUEUED: u32 = 0x1280;
+    let Some(f) = cx.api.clGetEventProfilingInfo else {
+        return;
+    };
+    for i in 0..3 {
+        // SAFETY: a completed event of this map; `times` has three u64 slots.
+        unsafe {
+            let slot = times.add(i);
+            *slot = 0;
+            f(
+                ev,
+                CL_PROFILING_COMMAND_QUEUED + i as u32,
+                8,
+                slot as *mut c_void,
+                std::ptr::null_mut(),
+            );
+        }
+    }
 }
 
 /// `hiraEnqueueUnmapArena`: unmaps what `hiraEnqueueMapArena` mapped.

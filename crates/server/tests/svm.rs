@@ -682,14 +682,16 @@ impl Client {
         (ret, id, r.u64().expect("placement"))
     }
 
-    /// hiraEnqueueMapArena, blocking, no wait list or event: (error, mapped address).
-    fn map_arena(
+    /// hiraEnqueueMapArena, blocking, no wait list or event: (error, mapped address); the
+    /// map's QUEUED, SUBMIT and START times go to `started` when given.
+    fn map_arena_timed(
         &mut self,
         queue: u64,
         buf: u64,
         flags: u64,
         offset: u64,
         size: u64,
+        started: Option<&mut [u64; 3]>,
     ) -> (i32, u64) {
         let mut w = Writer::default();
         w.u64(queue);
@@ -702,6 +704,11 @@ impl Client {
         w.blob(Blob::Null);
         w.u64(0);
         w.out_spec(out(8));
+        w.out_spec(if started.is_some() {
+            out(24)
+        } else {
+            OutSpec::Null
+        });
         let (status, rest) = self.call(OP_HIRAENQUEUEMAPARENA, &w);
         if status != 0 {
             return (status, 0);
@@ -709,7 +716,24 @@ impl Client {
         let mut r = Reader::new(&rest);
         let ret = r.i32().expect("ret");
         let b = r.bytes().expect("mapped");
+        if let Some(t) = started {
+            let times = r.bytes().expect("times");
+            for (i, c) in times.chunks(8).take(3).enumerate() {
+                t[i] = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            }
+        }
         (ret, u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+
+    fn map_arena(
+        &mut self,
+        queue: u64,
+        buf: u64,
+        flags: u64,
+        offset: u64,
+        size: u64,
+    ) -> (i32, u64) {
+        self.map_arena_timed(queue, buf, flags, offset, size, None)
     }
 
     fn unmap_arena(&mut self, queue: u64, buf: u64, mapped: u64) -> i32 {
@@ -786,7 +810,9 @@ fn buffers_live_in_the_arena_and_map_in_place() {
     t.c.launch(t.queue, t.kernel, SIZE / 4);
     let mut after = vec![0u8; SIZE as usize];
     arena.read_at(placed - base, &mut after).expect("read");
-    let (map_ret, mapped) = t.c.map_arena(t.queue, buf, CL_MAP_READ, 4096, 4096);
+    let mut started = [0u64; 3];
+    let (map_ret, mapped) =
+        t.c.map_arena_timed(t.queue, buf, CL_MAP_READ, 4096, 4096, Some(&mut started));
     let outside = t.c.unmap_arena(t.queue, buf, placed + 2 * SIZE);
     let outside_logged = t
         .server
@@ -816,6 +842,10 @@ fn buffers_live_in_the_arena_and_map_in_place() {
     assert!(initial == data, "COPY_HOST_PTR bytes are in the arena");
     assert!(after == incremented(&data), "the kernel wrote the arena");
     assert_eq!((map_ret, mapped), (0, placed + 4096), "mapped in place");
+    assert!(
+        started[0] > 0 && started[0] <= started[1] && started[1] <= started[2],
+        "the map's queued, submit and start times: {started:?}"
+    );
     assert_eq!((outside, outside_logged), (CL_INVALID_VALUE, 1));
     assert_eq!(unmapped, 0);
     assert_eq!(past_end.0, CL_INVALID_VALUE, "the vendor checks the region");

@@ -133,6 +133,30 @@ int main(void) {
         clReleaseEvent(re);
     }
 
+    /* Events of blocking transfers on a profiling queue: their type, and times in order. */
+    cl_queue_properties pp[] = {CL_QUEUE_PROPERTIES, CL_QUEUE_PROFILING_ENABLE, 0};
+    cl_command_queue pq = clCreateCommandQueueWithProperties(ctx, dev, pp, &err);
+    CHECK(err);
+    for (int w = 1; w >= 0; w--) {
+        cl_event pe;
+        if (w)
+            CHECK(clEnqueueWriteBuffer(pq, buf, CL_TRUE, 0, 1 << 20, src, 0, NULL, &pe));
+        else
+            CHECK(clEnqueueReadBuffer(pq, buf, CL_TRUE, 0, 1 << 20, dst, 0, NULL, &pe));
+        CHECK(clWaitForEvents(1, &pe));
+        cl_ulong t[4];
+        for (int i = 0; i < 4; i++)
+            CHECK(clGetEventProfilingInfo(pe, CL_PROFILING_COMMAND_QUEUED + i, sizeof t[i], &t[i],
+                                          NULL));
+        cl_command_type pt;
+        CHECK(clGetEventInfo(pe, CL_EVENT_COMMAND_TYPE, sizeof pt, &pt, NULL));
+        printf("profiled %s: type %#x, times in order %s, data %s\n", w ? "write" : "read", pt,
+               t[0] <= t[1] && t[1] <= t[2] && t[2] <= t[3] && t[0] > 0 ? "yes" : "NO",
+               w || sum(dst, 1 << 20) == sum(src, 1 << 20) ? "same" : "DIFFERENT");
+        clReleaseEvent(pe);
+    }
+    clReleaseCommandQueue(pq);
+
     /* A write gated on a user event, a kernel, then a blocking read. */
     cl_event gate = clCreateUserEvent(ctx, &err);
     CHECK(err);
