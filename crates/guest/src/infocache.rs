@@ -163,34 +163,26 @@ pub unsafe fn command_type(event: *mut *mut std::ffi::c_void, ty: u32) {
 }
 
 /// A transfer done in place (`direct.rs`): its event, the unmap's, reports the command type
-/// `ty` and the QUEUED, SUBMIT and START times `started` of the map (END and COMPLETE are
-/// the unmap's own, asked of the server).
+/// `ty` and the QUEUED, SUBMIT and START times `started` of the map, unless they are zero
+/// (END and COMPLETE are the unmap's own, asked of the server).
 ///
 /// # Safety
 /// `event` is null or points to the event handle the unmap wrote.
 pub unsafe fn transfer_event(event: *mut *mut std::ffi::c_void, ty: u32, started: [u64; 3]) {
-    const CL_PROFILING_COMMAND_QUEUED: u32 = 0x1280;
+    const QUEUED: u32 = 0x1280;
     let [q, s, t] = started.map(u64::to_le_bytes);
+    let ty = ty.to_le_bytes();
+    let all = [
+        (OP_CLGETEVENTINFO, CL_EVENT_COMMAND_TYPE, &ty[..]),
+        (OP_CLGETEVENTPROFILINGINFO, QUEUED, &q[..]),
+        (OP_CLGETEVENTPROFILINGINFO, QUEUED + 1, &s[..]),
+        (OP_CLGETEVENTPROFILINGINFO, QUEUED + 2, &t[..]),
+    ];
+    // No times: the queue does not profile for the application, whose queries the server
+    // answers with CL_PROFILING_INFO_NOT_AVAILABLE.
+    let n = if started[0] == 0 { 1 } else { all.len() };
     // SAFETY: the caller's contract.
-    unsafe {
-        set(
-            event,
-            &[
-                (OP_CLGETEVENTINFO, CL_EVENT_COMMAND_TYPE, &ty.to_le_bytes()),
-                (OP_CLGETEVENTPROFILINGINFO, CL_PROFILING_COMMAND_QUEUED, &q),
-                (
-                    OP_CLGETEVENTPROFILINGINFO,
-                    CL_PROFILING_COMMAND_QUEUED + 1,
-                    &s,
-                ),
-                (
-                    OP_CLGETEVENTPROFILINGINFO,
-                    CL_PROFILING_COMMAND_QUEUED + 2,
-                    &t,
-                ),
-            ],
-        )
-    };
+    unsafe { set(event, &all[..n]) };
 }
 
 #[cfg(test)]

@@ -96,6 +96,9 @@ pub struct Shared {
     pub(crate) svm: crate::svm::Table,
     /// The tenant's buffers placed in its arena (`direct.rs`).
     pub(crate) direct: crate::direct::Buffers,
+    /// Queues the tenant made without CL_QUEUE_PROFILING_ENABLE (by id): hira profiles
+    /// every queue for itself, the tenant is told what it asked for.
+    pub(crate) unprofiled: Mutex<std::collections::HashSet<u64>>,
     /// Where kernel completions are counted for the router (`control::DONE_PAGE`); until it
     /// comes, every completion is a DONE message.
     pub(crate) done_page: std::sync::OnceLock<hira_transport::CompletionPage>,
@@ -118,7 +121,19 @@ impl Shared {
             swap: crate::swap::Swap::default(),
             svm: crate::svm::Table::default(),
             direct: crate::direct::Buffers::default(),
+            unprofiled: Mutex::new(std::collections::HashSet::new()),
             done_page: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// Whether the tenant made the queue behind vendor pointer `queue` without profiling.
+    pub(crate) fn unprofiled(&self, queue: *mut c_void) -> bool {
+        let id = self.table().by_raw.get(&(queue as usize, K_QUEUE)).copied();
+        id.is_some_and(|id| {
+            self.unprofiled
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&id)
         })
     }
 

@@ -102,6 +102,7 @@ pub fn h_clCreateCommandQueue(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer
     // SAFETY: validated handles; err is a live output.
     let q = unsafe { f(context, device, props | CL_QUEUE_PROFILING_ENABLE, &mut err) };
     let id = cx.register(q, K_QUEUE);
+    remember_profiling(cx, id, props & CL_QUEUE_PROFILING_ENABLE != 0);
     let mut w = Writer::default();
     w.i32(err);
     w.u64(id);
@@ -119,12 +120,14 @@ pub fn h_clCreateCommandQueueWithProperties(
     let given = cx.in_properties(pb, false)?;
     let mut props: Vec<u64> = Vec::new();
     let mut found = false;
+    let mut asked = false;
     let mut i = 0;
     // SAFETY: in_properties returns a zero-terminated list (or null).
     while !given.ptr().is_null() && unsafe { *given.ptr().add(i) } != 0 {
         // SAFETY: non-zero keys have values.
         let (k, mut v) = unsafe { (*given.ptr().add(i), *given.ptr().add(i + 1)) };
         if k == CL_QUEUE_PROPERTIES {
+            asked = v & CL_QUEUE_PROFILING_ENABLE != 0;
             v |= CL_QUEUE_PROFILING_ENABLE;
             found = true;
         }
@@ -143,9 +146,86 @@ pub fn h_clCreateCommandQueueWithProperties(
     // SAFETY: validated handles; props is zero-terminated.
     let q = unsafe { f(context, device, props.as_ptr(), &mut err) };
     let id = cx.register(q, K_QUEUE);
+    remember_profiling(cx, id, asked);
     let mut w = Writer::default();
     w.i32(err);
     w.u64(id);
+    Ok(w)
+}
+
+/// Records a new queue (`id`, 0 if none was made) that the tenant made without profiling.
+fn remember_profiling(cx: &Ctx, id: u64, asked: bool) {
+    if id != 0 && !asked {
+        cx.shared
+            .unprofiled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id);
+    }
+}
+
+/// CL_QUEUE_PROPERTIES as the tenant asked: without profiling if it did not ask for it.
+pub fn h_clGetCommandQueueInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    let f = cx.api.clGetCommandQueueInfo;
+    info_query(
+        cx,
+        r,
+        OP_CLGETCOMMANDQUEUEINFO,
+        K_QUEUE,
+        f,
+        |cx, queue, param, v| {
+            if u64::from(param) == CL_QUEUE_PROPERTIES && cx.shared.unprofiled(queue) {
+                // SAFETY: at least 8 bytes at v, a cl_bitfield result.
+                unsafe { *v &= !CL_QUEUE_PROFILING_ENABLE };
+            }
+        },
+    )
+}
+
+/// Profiling of a command on a queue the tenant made without profiling is
+/// CL_PROFILING_INFO_NOT_AVAILABLE, as the vendor would answer it.
+pub fn h_clGetEventProfilingInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
+    const CL_PROFILING_INFO_NOT_AVAILABLE: i32 = -7;
+    const CL_EVENT_COMMAND_QUEUE: u32 = 0x11D0;
+    let event = cx.handle(r.u64()?, K_EVENT)?;
+    let param = r.u64()? as u32;
+    let size = r.u64()?;
+    let (vo, so) = (r.out_spec()?, r.out_spec()?);
+    r.finish()?;
+    let mut value = cx.out(vo, size)?;
+    let mut size_ret = cx.out(so, 8)?;
+    let (Some(f), Some(info)) = (cx.api.clGetEventProfilingInfo, cx.api.clGetEventInfo) else {
+        return Err(Fail::Cl(CL_INVALID_OPERATION));
+    };
+    let mut queue: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a validated event; an 8-byte output.
+    unsafe {
+        info(
+            event,
+            CL_EVENT_COMMAND_QUEUE,
+            8,
+            &mut queue as *mut *mut c_void as *mut c_void,
+            std::ptr::null_mut(),
+        )
+    };
+    let ret = if !queue.is_null() && cx.shared.unprofiled(queue) {
+        CL_PROFILING_INFO_NOT_AVAILABLE
+    } else {
+        // SAFETY: outputs sized as the spec says; the event validated.
+        unsafe {
+            f(
+                event,
+                param,
+                size as usize,
+                value.ptr(),
+                size_ret.ptr() as *mut usize,
+            )
+        }
+    };
+    let mut w = Writer::default();
+    w.i32(ret);
+    value.emit(&mut w);
+    size_ret.emit(&mut w);
     Ok(w)
 }
 

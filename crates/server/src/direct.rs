@@ -299,7 +299,8 @@ fn not_placed(op: &str) -> Fail {
 }
 
 /// `hiraEnqueueMapArena`: the vendor maps `[offset, offset + size)` of a placed buffer; the
-/// reply carries the mapped address, which lies in the arena.
+/// reply carries the mapped address, which lies in the arena, and, when asked for and the
+/// queue profiles for the tenant, the map's queued, submit and start times (else zeros).
 pub fn h_hiraEnqueueMapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
     let queue = cx.handle(r.u64()?, K_QUEUE)?;
     let buffer = cx.handle(r.u64()?, K_MEM)?;
@@ -326,7 +327,8 @@ pub fn h_hiraEnqueueMapArena(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer,
     let mut ev: *mut c_void = std::ptr::null_mut();
     // The start of a blocking map, when asked for, comes from an event of its own.
     let times = started.ptr() as *mut u64;
-    let times = (!times.is_null() && blocking != 0).then_some(times);
+    let times =
+        (!times.is_null() && blocking != 0 && !cx.shared.unprofiled(queue)).then_some(times);
     let slot = if times.is_some() {
         &mut ev
     } else {

@@ -660,6 +660,7 @@ const CL_MEM_COPY_HOST_PTR: u64 = 1 << 5;
 const CL_MEM_FLAGS: u64 = 0x1101;
 const CL_MAP_READ: u64 = 1;
 const CL_INVALID_MEM_OBJECT: i32 = -38;
+const CL_QUEUE_PROFILING_ENABLE: u64 = 1 << 1;
 
 impl Client {
     /// clCreateBuffer (COPY_HOST_PTR when `data` is given): (error, id, arena address).
@@ -810,9 +811,19 @@ fn buffers_live_in_the_arena_and_map_in_place() {
     t.c.launch(t.queue, t.kernel, SIZE / 4);
     let mut after = vec![0u8; SIZE as usize];
     arena.read_at(placed - base, &mut after).expect("read");
-    let mut started = [0u64; 3];
+    // The tenant's queue does not profile for it: no times. One that does: the map's.
+    let mut unprofiled = [1u64; 3];
     let (map_ret, mapped) =
-        t.c.map_arena_timed(t.queue, buf, CL_MAP_READ, 4096, 4096, Some(&mut started));
+        t.c.map_arena_timed(t.queue, buf, CL_MAP_READ, 4096, 4096, Some(&mut unprofiled));
+    let mut w = Writer::default();
+    w.u64(t.context);
+    w.u64(t.device);
+    w.u64(CL_QUEUE_PROFILING_ENABLE);
+    let profiling = t.c.create(OP_CLCREATECOMMANDQUEUE, &w);
+    let mut started = [0u64; 3];
+    let (timed_ret, timed) =
+        t.c.map_arena_timed(profiling, buf, CL_MAP_READ, 0, 4096, Some(&mut started));
+    let timed_unmapped = t.c.unmap_arena(profiling, buf, timed);
     let outside = t.c.unmap_arena(t.queue, buf, placed + 2 * SIZE);
     let outside_logged = t
         .server
@@ -842,6 +853,8 @@ fn buffers_live_in_the_arena_and_map_in_place() {
     assert!(initial == data, "COPY_HOST_PTR bytes are in the arena");
     assert!(after == incremented(&data), "the kernel wrote the arena");
     assert_eq!((map_ret, mapped), (0, placed + 4096), "mapped in place");
+    assert_eq!(unprofiled, [0; 3]);
+    assert_eq!((timed_ret, timed_unmapped), (0, 0));
     assert!(
         started[0] > 0 && started[0] <= started[1] && started[1] <= started[2],
         "the map's queued, submit and start times: {started:?}"

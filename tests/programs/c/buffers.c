@@ -156,6 +156,16 @@ int main(void) {
         clReleaseEvent(pe);
     }
     clReleaseCommandQueue(pq);
+    /* ... and on a queue made without profiling, which the application is told. */
+    cl_event ne;
+    CHECK(clEnqueueWriteBuffer(q, buf, CL_TRUE, 0, 1 << 20, src, 0, NULL, &ne));
+    cl_ulong nt;
+    cl_command_queue_properties qp;
+    CHECK(clGetCommandQueueInfo(q, CL_QUEUE_PROPERTIES, sizeof qp, &qp, NULL));
+    printf("queue without profiling: properties %#llx, profiling info %d\n",
+           (unsigned long long)qp,
+           clGetEventProfilingInfo(ne, CL_PROFILING_COMMAND_START, sizeof nt, &nt, NULL));
+    clReleaseEvent(ne);
 
     /* A write gated on a user event, a kernel, then a blocking read. */
     cl_event gate = clCreateUserEvent(ctx, &err);
