@@ -20,15 +20,16 @@ pub use crate::svm::{
 pub(crate) type InfoFn =
     unsafe extern "C" fn(*mut c_void, u32, usize, *mut c_void, *mut usize) -> i32;
 
-/// An info query as the generated handlers run it, with `fix` applied to a successful
-/// answer of at least 8 bytes (`fix(cx, object, param, value)`) before handles are
-/// translated.
+/// An info query as the generated handlers run it, answered with `refuse(cx, object)`
+/// instead of asking the vendor when that is an error code, and with `fix` applied to a
+/// successful answer of at least 8 bytes (`fix(cx, object, param, value)`) before handles
+/// are translated.
 pub(crate) fn info_query(
     cx: &mut Ctx,
     r: &mut Reader<'_>,
-    op: u16,
-    kind: u8,
+    (op, kind): (u16, u8),
     f: Option<InfoFn>,
+    refuse: impl FnOnce(&Ctx, *mut c_void) -> Option<i32>,
     fix: impl FnOnce(&Ctx, *mut c_void, u32, *mut u64),
 ) -> Result<Writer, Fail> {
     let object = cx.handle(r.u64()?, kind)?;
@@ -40,15 +41,18 @@ pub(crate) fn info_query(
     let mut size_ret = cx.out(so, 8)?;
     let f = f.ok_or(Fail::Cl(CL_INVALID_OPERATION))?;
     let vp = cx.info_ptr(op, param, &mut value);
-    // SAFETY: outputs sized as the spec says; the object validated.
-    let ret = unsafe {
-        f(
-            object,
-            param,
-            size as usize,
-            vp,
-            size_ret.ptr() as *mut usize,
-        )
+    let ret = match refuse(cx, object) {
+        Some(code) => code,
+        // SAFETY: outputs sized as the spec says; the object validated.
+        None => unsafe {
+            f(
+                object,
+                param,
+                size as usize,
+                vp,
+                size_ret.ptr() as *mut usize,
+            )
+        },
     };
     if ret == CL_SUCCESS && size >= 8 && !vp.is_null() {
         fix(cx, object, param, vp as *mut u64);
@@ -68,9 +72,9 @@ pub fn h_clGetDeviceInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fai
     info_query(
         cx,
         r,
-        OP_CLGETDEVICEINFO,
-        K_DEVICE,
+        (OP_CLGETDEVICEINFO, K_DEVICE),
         f,
+        |_, _| None,
         |cx, device, param, v| {
             let quota = cx.shared.quota.load(std::sync::atomic::Ordering::Relaxed);
             match param {
@@ -170,9 +174,9 @@ pub fn h_clGetCommandQueueInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Write
     info_query(
         cx,
         r,
-        OP_CLGETCOMMANDQUEUEINFO,
-        K_QUEUE,
+        (OP_CLGETCOMMANDQUEUEINFO, K_QUEUE),
         f,
+        |_, _| None,
         |cx, queue, param, v| {
             if u64::from(param) == CL_QUEUE_PROPERTIES && cx.shared.unprofiled(queue) {
                 // SAFETY: at least 8 bytes at v, a cl_bitfield result.
@@ -187,46 +191,30 @@ pub fn h_clGetCommandQueueInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Write
 pub fn h_clGetEventProfilingInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
     const CL_PROFILING_INFO_NOT_AVAILABLE: i32 = -7;
     const CL_EVENT_COMMAND_QUEUE: u32 = 0x11D0;
-    let event = cx.handle(r.u64()?, K_EVENT)?;
-    let param = r.u64()? as u32;
-    let size = r.u64()?;
-    let (vo, so) = (r.out_spec()?, r.out_spec()?);
-    r.finish()?;
-    let mut value = cx.out(vo, size)?;
-    let mut size_ret = cx.out(so, 8)?;
-    let (Some(f), Some(info)) = (cx.api.clGetEventProfilingInfo, cx.api.clGetEventInfo) else {
-        return Err(Fail::Cl(CL_INVALID_OPERATION));
-    };
-    let mut queue: *mut c_void = std::ptr::null_mut();
-    // SAFETY: a validated event; an 8-byte output.
-    unsafe {
-        info(
-            event,
-            CL_EVENT_COMMAND_QUEUE,
-            8,
-            &mut queue as *mut *mut c_void as *mut c_void,
-            std::ptr::null_mut(),
-        )
-    };
-    let ret = if !queue.is_null() && cx.shared.unprofiled(queue) {
-        CL_PROFILING_INFO_NOT_AVAILABLE
-    } else {
-        // SAFETY: outputs sized as the spec says; the event validated.
+    let f = cx.api.clGetEventProfilingInfo;
+    let refuse = |cx: &Ctx, event: *mut c_void| {
+        let info = cx.api.clGetEventInfo?;
+        let mut queue: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a validated event; an 8-byte output.
         unsafe {
-            f(
+            info(
                 event,
-                param,
-                size as usize,
-                value.ptr(),
-                size_ret.ptr() as *mut usize,
+                CL_EVENT_COMMAND_QUEUE,
+                8,
+                &mut queue as *mut *mut c_void as *mut c_void,
+                std::ptr::null_mut(),
             )
-        }
+        };
+        (!queue.is_null() && cx.shared.unprofiled(queue)).then_some(CL_PROFILING_INFO_NOT_AVAILABLE)
     };
-    let mut w = Writer::default();
-    w.i32(ret);
-    value.emit(&mut w);
-    size_ret.emit(&mut w);
-    Ok(w)
+    info_query(
+        cx,
+        r,
+        (OP_CLGETEVENTPROFILINGINFO, K_EVENT),
+        f,
+        refuse,
+        |_, _, _, _| {},
+    )
 }
 
 /// One device's program binary into the caller's output.

@@ -257,9 +257,9 @@ pub fn h_clGetMemObjectInfo(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, 
     crate::custom::info_query(
         cx,
         r,
-        OP_CLGETMEMOBJECTINFO,
-        K_MEM,
+        (OP_CLGETMEMOBJECTINFO, K_MEM),
         f,
+        |_, _| None,
         |cx, mem, param, v| {
             if param != CL_MEM_FLAGS {
                 return;
