@@ -16,9 +16,9 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 /// asynchronous unmap costs more than the copy it saves).
 pub const DIRECT_FROM: usize = 16 << 10;
 
-/// The buffer's arena placement, if the server made one.
+/// Whether the server placed the buffer in the arena.
 pub fn placed(mem: *mut c_void) -> bool {
-    shell_ref(mem).is_some_and(|s| s.arena.load(Ordering::Relaxed) != 0)
+    shell_ref(mem).is_some_and(|s| s.in_arena.load(Ordering::Relaxed))
 }
 
 /// The application's live maps of placed buffers: (buffer, address) → how many times mapped
@@ -100,7 +100,7 @@ pub unsafe fn app_unmap(
 /// # Safety
 /// As `clEnqueueMapBuffer`; `event` and `started` are null or writable.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn map(
+unsafe fn map(
     queue: *mut c_void,
     buffer: *mut c_void,
     blocking: u32,
@@ -155,7 +155,7 @@ pub unsafe fn map(
 ///
 /// # Safety
 /// As `clEnqueueUnmapMemObject`.
-pub unsafe fn unmap(
+unsafe fn unmap(
     queue: *mut c_void,
     buffer: *mut c_void,
     mapped: *mut c_void,

@@ -47,8 +47,8 @@ pub struct Shell {
     pub kind: u8,
     /// CL_MEM_USE_HOST_PTR buffers: the application's pointer.
     pub host_ptr: std::sync::atomic::AtomicPtr<c_void>,
-    /// Buffers the server placed in the arena: where their bytes are (0: elsewhere).
-    pub arena: std::sync::atomic::AtomicUsize,
+    /// A buffer the server placed in the arena (its transfers and maps are done in place).
+    pub in_arena: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -78,7 +78,7 @@ pub fn shell(id: u64, kind: u8) -> *mut c_void {
         id,
         kind,
         host_ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
-        arena: std::sync::atomic::AtomicUsize::new(0),
+        in_arena: std::sync::atomic::AtomicBool::new(false),
     });
     let p = Box::into_raw(b) as usize;
     s.by_id.insert(id, p);
@@ -893,7 +893,7 @@ impl Reply {
             // The server's reply ends with where it placed the buffer in the arena (0: not).
             let placed = self.reader().u64().unwrap_or(0);
             if let Some(s) = shell_ref(h).filter(|_| placed != 0) {
-                s.arena.store(placed as usize, Ordering::Relaxed);
+                s.in_arena.store(true, Ordering::Relaxed);
             }
         }
         h
