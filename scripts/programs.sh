@@ -8,7 +8,9 @@
 #                                info.c, vecadd.c, svm.c (coarse- and fine-grained SVM;
 #                                run a second time with fine grain off, through mirrors),
 #                                buffers.c (transfers and maps; run a second time with
-#                                buffers kept out of the arena, HIRA_ARENA_BUFFERS=0)
+#                                buffers kept out of the arena, HIRA_ARENA_BUFFERS=0),
+#                                waits.c (waits for launches; run a second time without
+#                                the event board, HIRA_EVENT_BOARD=0)
 #   examples/rust-opencl3     -> target/programs/rust/release/hira-example-opencl3
 #
 # Each program is run natively and under `$HIRA run --` (HIRA defaults to
@@ -160,25 +162,32 @@ if [ "$NATIVE_ONLY" = 0 ] && [ -x "$OUT/svm" ]; then
     fi
 fi
 
-# Buffers outside the arena, what hira does on devices that are not the CPU, for transfers
-# with events, and under memory over-subscription: buffers.c once more with placement off
-# in the application's environment, compared line for line with the native run.
-if [ "$NATIVE_ONLY" = 0 ] && [ -x "$OUT/buffers" ]; then
-    rc=0
-    HIRA_ARENA_BUFFERS=0 run_one ordinary buffers "$HIRA" run -- "$OUT/buffers" || rc=$?
-    if [ "$rc" = 0 ] && diff -u --label "buffers (native)" --label "buffers (ordinary)" \
-            "$LOGS/buffers.native.out" "$LOGS/buffers.ordinary.out" >"$LOGS/buffers.ordinary.diff"; then
-        echo "PASS buffers (outside the arena)"
+# A program once more under hira with `env` in the application's environment, compared line
+# for line with its native run: again <label> <program> <env> <what>.
+again() {
+    local label="$1" prog="$2" env="$3" what="$4" rc=0
+    [ "$NATIVE_ONLY" = 0 ] && [ -x "$OUT/$prog" ] || return 0
+    run_one "$label" "$prog" env "$env" "$HIRA" run -- "$OUT/$prog" || rc=$?
+    if [ "$rc" = 0 ] && diff -u --label "$prog (native)" --label "$prog ($label)" \
+            "$LOGS/$prog.native.out" "$LOGS/$prog.$label.out" >"$LOGS/$prog.$label.diff"; then
+        echo "PASS $prog ($what)"
         pass=$((pass + 1))
     else
-        echo "   buffers (ordinary): rc=$rc or stdout differs:"
-        head -n 40 "$LOGS/buffers.ordinary.diff" | sed 's/^/     | /'
-        tail -n 5 "$LOGS/buffers.ordinary.err" | sed 's/^/     | /'
-        echo "FAIL buffers (outside the arena)"
+        echo "   $prog ($label): rc=$rc or stdout differs:"
+        head -n 40 "$LOGS/$prog.$label.diff" | sed 's/^/     | /'
+        tail -n 5 "$LOGS/$prog.$label.err" | sed 's/^/     | /'
+        echo "FAIL $prog ($what)"
         fail=$((fail + 1))
-        failed+=("buffers-ordinary")
+        failed+=("$prog-$label")
     fi
-fi
+}
+
+# Buffers outside the arena, what hira does on devices that are not the CPU, for transfers
+# with events, and under memory over-subscription.
+again ordinary buffers HIRA_ARENA_BUFFERS=0 "outside the arena"
+# Waits for launches through the server, as when the event board cannot answer (a kernel
+# longer than the board's wait, a failure): every wait of waits.c goes that way.
+again noboard waits HIRA_EVENT_BOARD=0 "waits without the event board"
 
 mode=$([ "$NATIVE_ONLY" = 1 ] && echo "native vs native" || echo "native vs hira")
 echo "programs ($mode): $pass passed, $fail failed${failed:+ (${failed[*]})}"

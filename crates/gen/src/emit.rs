@@ -736,6 +736,8 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
             ParamKind::OutElement if ekind.is_some() => {
                 let k = kind_const(ekind.expect("checked"));
                 let _ = writeln!(p1, "    let {n}_id = r.u64()?;");
+                // Should the request fail, the event is known never to come.
+                let _ = writeln!(p1, "    cx.named_event = {n}_id;");
                 let _ = writeln!(
                     p2,
                     "    let mut {n}_new: *mut c_void = std::ptr::null_mut();"
@@ -764,9 +766,15 @@ fn server_handler(spec: &Spec, f: &Function) -> String {
                     args.push(format!(
                         "if {n}_id != 0 {{ &mut {n}_new }} else if {n}_want {{ &mut {n}_dt }} else {{ std::ptr::null_mut() }}"
                     ));
+                    // A launch's event the guest named is posted on the event board.
+                    let board = if f.device_time {
+                        format!("{n}_id")
+                    } else {
+                        "0".to_string()
+                    };
                     let _ = writeln!(
                         post,
-                        "    cx.track_event(ret, if {n}_id != 0 {{ {n}_new }} else {{ {n}_dt }}, {n}_id == 0, {device_time});"
+                        "    cx.track_event(ret, if {n}_id != 0 {{ {n}_new }} else {{ {n}_dt }}, {n}_id == 0, {device_time}, {board});"
                     );
                 } else {
                     args.push(format!(

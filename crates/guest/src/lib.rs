@@ -5,6 +5,7 @@
 
 #![allow(non_snake_case)]
 
+mod board;
 mod callbacks;
 mod custom;
 mod direct;

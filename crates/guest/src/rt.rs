@@ -3,7 +3,7 @@
 //! shells (the pointers the application holds), and info-result translation.
 
 use hira_opencl::cl::*;
-use hira_opencl::{InfoMode, K_MEM, K_PLATFORM};
+use hira_opencl::{InfoMode, K_EVENT, K_MEM, K_PLATFORM};
 use hira_transport::{Conn, FrameReader, ShmRegion};
 use hira_wire::{
     control, flags, Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN, MAX_FRAME,
@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub use crate::callbacks::CallbackKind;
 
@@ -49,6 +49,8 @@ pub struct Shell {
     pub host_ptr: std::sync::atomic::AtomicPtr<c_void>,
     /// A buffer the server placed in the arena (its transfers and maps are done in place).
     pub in_arena: std::sync::atomic::AtomicBool,
+    /// A launch's event the server posts on the event board (`board.rs`).
+    pub on_board: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -79,6 +81,7 @@ pub fn shell(id: u64, kind: u8) -> *mut c_void {
         kind,
         host_ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
         in_arena: std::sync::atomic::AtomicBool::new(false),
+        on_board: std::sync::atomic::AtomicBool::new(false),
     });
     let p = Box::into_raw(b) as usize;
     s.by_id.insert(id, p);
@@ -119,12 +122,12 @@ fn guest_id() -> u64 {
 
 /// One connection to the router.
 pub struct Connection {
-    sock: Conn,
+    /// The batch of asynchronous frames and the sending end (shared with `OUTBOXES`).
+    out: Arc<Mutex<Outbox>>,
     reader: FrameReader,
     shm: ShmRegion,
     shm_top: u64,
     seq: u64,
-    batch: Vec<u8>,
     /// Calls being built on this thread (nested helper calls must not reset the shm).
     building: u32,
     /// First error of an earlier asynchronous call, not yet reported.
@@ -136,6 +139,8 @@ pub struct Connection {
     /// Replies the router has no use for come straight from the API server on this socket
     /// (`control::OPT_DIRECT`); everything else, FAILED frames included, on `reader`.
     direct: Option<FrameReader>,
+    /// The event board went to the server on this connection.
+    board_sent: bool,
 }
 
 /// Whether this connection asks for a direct reply socket (`HIRA_DIRECT=0`: no, every reply
@@ -189,17 +194,17 @@ impl Connection {
             .map_err(|e| log_err("hello", e))?;
         let reader = FrameReader::new(sock.try_clone().map_err(|e| log_err("clone", e))?);
         let mut c = Connection {
-            sock,
+            out: Outbox::register(sock),
             reader,
             shm,
             shm_top: 0,
             seq: 0,
-            batch: Vec::new(),
             building: 0,
             deferred: 0,
             outstanding: 0,
             recent_wait: std::time::Duration::ZERO,
             direct: None,
+            board_sent: false,
         };
         let (h, payload) = c.read_frame()?;
         let mut r = Reader::new(&payload);
@@ -294,12 +299,19 @@ impl Connection {
     }
 
     fn flush(&mut self) -> Result<(), i32> {
-        if self.batch.is_empty() {
-            return Ok(());
-        }
-        let r = self.sock.send(&self.batch, &[]);
-        self.batch.clear();
-        r.map_err(|e| log_err("send", e))
+        lock(&self.out).flush()
+    }
+
+    /// Adds a frame to the batch; its length after.
+    fn push(&mut self, frame: &[u8]) -> usize {
+        lock(&self.out).push(frame)
+    }
+
+    /// Sends what is batched, then `frame` with `fds`.
+    fn send_now(&mut self, frame: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<(), i32> {
+        let mut o = lock(&self.out);
+        o.flush()?;
+        o.sock.send(frame, fds).map_err(|e| log_err("send", e))
     }
 
     /// Room in shared memory for `len` bytes; grows the region if needed.
@@ -336,7 +348,6 @@ impl Connection {
                 )
             };
         }
-        self.flush()?;
         let mut w = Writer::with_header_room(HEADER_LEN);
         w.u64(size as u64);
         self.seq += 1;
@@ -348,9 +359,7 @@ impl Connection {
             flags::ASYNC,
             0,
         );
-        self.sock
-            .send(&w.buf, &[new.fd().as_fd()])
-            .map_err(|e| log_err("grow", e))?;
+        self.send_now(&w.buf, &[new.fd().as_fd()])?;
         self.shm = new;
         Ok(())
     }
@@ -364,15 +373,116 @@ impl Connection {
         payload: &[u8],
         fd: std::os::fd::BorrowedFd<'_>,
     ) -> Result<(), i32> {
-        self.flush()?;
         let mut w = Writer::with_header_room(HEADER_LEN);
         w.buf.extend_from_slice(payload);
         self.seq += 1;
         finish_frame(&mut w.buf, Kind::Control, opcode, self.seq, flags::ASYNC, 0);
-        self.sock
-            .send(&w.buf, &[fd])
-            .map_err(|e| log_err("control frame", e))
+        self.send_now(&w.buf, &[fd])
     }
+}
+
+impl Connection {
+    /// Sends the event board unless this connection did (in order before what follows).
+    pub fn send_board_once(&mut self, b: &hira_transport::EventBoard) -> Result<(), i32> {
+        if !self.board_sent {
+            self.send_control_fd(control::EVENT_BOARD, &[], b.fd())?;
+            self.board_sent = true;
+        }
+        Ok(())
+    }
+}
+
+/// Sends this thread's batched asynchronous calls now, and every other thread's first.
+pub fn flush_batch() -> Result<(), i32> {
+    with_conn(|c| {
+        flush_others(&c.out);
+        c.flush()
+    })
+}
+
+impl Drop for Connection {
+    /// A thread that ends sends what it batched: natively its commands are enqueued.
+    fn drop(&mut self) {
+        let _ = self.flush();
+    }
+}
+
+/// A connection's batch of asynchronous frames and its sending end. Natively a command one
+/// thread enqueued is there for every thread at once: before a call that waits for the
+/// server, a thread sends the other threads' batches too (`flush_others`), each under its
+/// lock, so every connection's frames still leave in order.
+pub struct Outbox {
+    sock: Conn,
+    batch: Vec<u8>,
+}
+
+/// Every connection's outbox (dead ones are dropped as they are found).
+static OUTBOXES: Mutex<Vec<std::sync::Weak<Mutex<Outbox>>>> = Mutex::new(Vec::new());
+/// Outboxes holding frames.
+static PENDING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn lock(o: &Mutex<Outbox>) -> std::sync::MutexGuard<'_, Outbox> {
+    o.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Outbox {
+    fn register(sock: Conn) -> Arc<Mutex<Outbox>> {
+        let o = Arc::new(Mutex::new(Outbox {
+            sock,
+            batch: Vec::new(),
+        }));
+        let mut all = OUTBOXES.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(&o));
+        o
+    }
+
+    fn push(&mut self, frame: &[u8]) -> usize {
+        if self.batch.is_empty() && !frame.is_empty() {
+            PENDING.fetch_add(1, Ordering::SeqCst);
+        }
+        self.batch.extend_from_slice(frame);
+        self.batch.len()
+    }
+
+    fn flush(&mut self) -> Result<(), i32> {
+        if self.batch.is_empty() {
+            return Ok(());
+        }
+        let r = self.sock.send(&self.batch, &[]);
+        self.batch.clear();
+        PENDING.fetch_sub(1, Ordering::SeqCst);
+        r.map_err(|e| log_err("send", e))
+    }
+}
+
+/// Sends the batches of every connection but `own`; nothing to do (one atomic load) unless
+/// another holds frames.
+fn flush_others(own: &Arc<Mutex<Outbox>>) {
+    let mine = usize::from(!lock(own).batch.is_empty());
+    if PENDING.load(Ordering::SeqCst) <= mine {
+        return;
+    }
+    let all: Vec<_> = OUTBOXES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .collect();
+    for o in all.iter().filter(|o| !Arc::ptr_eq(o, own)) {
+        let _ = lock(o).flush();
+    }
+}
+
+/// The first error of an earlier asynchronous call this thread's connection heard of and has
+/// not reported (0: none); a synchronizing call returns it instead of success.
+pub fn take_deferred() -> Result<i32, i32> {
+    let d = with_conn(|c| Ok(std::mem::take(&mut c.deferred)))?;
+    Ok(if d != 0 {
+        log_code("an earlier asynchronous call failed", d)
+    } else {
+        CL_SUCCESS
+    })
 }
 
 fn finish_frame(buf: &mut [u8], kind: Kind, opcode: u16, seq: u64, fl: u8, bulk: u64) {
@@ -707,6 +817,9 @@ impl Call {
         // SAFETY: writable by contract.
         unsafe { *p = shell(id, kind) };
         self.w.u64(id);
+        if kind == K_EVENT && hira_opencl::op(self.op).is_some_and(|o| o.device_time) {
+            crate::board::mark(p);
+        }
     }
 
     /// Room for `cap` output bytes at `p`.
@@ -769,8 +882,11 @@ impl Call {
                 | hira_opencl::OP_CLRELEASECOMMANDQUEUE
         );
         with_conn(|c| {
-            c.batch.extend_from_slice(&buf);
-            if urgent || c.batch.len() >= BATCH_MAX {
+            if c.push(&buf) >= BATCH_MAX || urgent {
+                if self.op == hira_opencl::OP_CLFLUSH {
+                    // The queue may hold commands other threads enqueued.
+                    flush_others(&c.out);
+                }
                 c.flush()?;
             }
             Ok(CL_SUCCESS)
@@ -788,7 +904,8 @@ impl Call {
         self.frame(0)?;
         let buf = std::mem::take(&mut self.w.buf);
         let seq = with_conn(|c| {
-            c.batch.extend_from_slice(&buf);
+            flush_others(&c.out);
+            c.push(&buf);
             c.flush()?;
             c.outstanding += 1;
             Ok(c.seq)
@@ -1026,11 +1143,7 @@ impl Reply {
         if ret != CL_SUCCESS || !is_synchronizing(self.op) {
             return Ok(ret);
         }
-        let d = with_conn(|c| Ok(std::mem::take(&mut c.deferred)))?;
-        if d != 0 {
-            return Ok(log_code("an earlier asynchronous call failed", d));
-        }
-        Ok(ret)
+        take_deferred()
     }
 }
 

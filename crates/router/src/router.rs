@@ -1478,7 +1478,10 @@ fn flush(to: &Conn, batch: &mut Vec<u8>) -> hira_transport::Result<()> {
 fn refuse(h: &Header) -> Option<String> {
     match (h.kind, h.opcode) {
         (Kind::Request, _) => None,
-        (Kind::Control, control::PING | control::SHM_GROW | control::SVM_ARENA) => None,
+        (
+            Kind::Control,
+            control::PING | control::SHM_GROW | control::SVM_ARENA | control::EVENT_BOARD,
+        ) => None,
         (kind, op) => Some(format!(
             "{kind:?} frame with opcode {op} not allowed from a guest"
         )),
@@ -1605,7 +1608,10 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
             }
             r
         } else if h.kind == Kind::Control
-            && matches!(h.opcode, control::SHM_GROW | control::SVM_ARENA)
+            && matches!(
+                h.opcode,
+                control::SHM_GROW | control::SVM_ARENA | control::EVENT_BOARD
+            )
         {
             let frame = frame.to_vec();
             match reader.take_fd() {
@@ -1617,7 +1623,7 @@ fn guest_to_server(t: &Tenant, link: &Link, reader: &mut FrameReader, r_end: &Co
                         m,
                         link,
                         last_seq,
-                        "SHM_GROW or SVM_ARENA without an fd",
+                        "SHM_GROW, SVM_ARENA or EVENT_BOARD without an fd",
                         r_end,
                         &mut batch,
                     );

@@ -4,7 +4,7 @@
 
 use crate::Api;
 use hira_opencl::cl::*;
-use hira_opencl::{info_mode, InfoMode, INVALID_HANDLE, K_MEM, K_QUEUE, K_SAMPLER};
+use hira_opencl::{info_mode, InfoMode, INVALID_HANDLE, K_EVENT, K_MEM, K_QUEUE, K_SAMPLER};
 use hira_transport::{Conn, ShmRegion};
 use hira_wire::{Blob, Header, Kind, OutSpec, Reader, Writer, HEADER_LEN};
 use std::cell::Cell;
@@ -62,7 +62,15 @@ pub struct Table {
     pub(crate) by_id: HashMap<u64, Entry>,
     pub(crate) by_raw: HashMap<(usize, u8), u64>,
     next: u64,
+    /// Events the guest named for asynchronous enqueues that failed: never bound, so a call
+    /// naming one is answered at once instead of waiting for it (`Ctx::handle`).
+    unborn: std::collections::HashSet<u64>,
 }
+
+/// Longest a call waits for an event the guest named on another connection to be made there.
+const UNBOUND_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+/// Most failed guest-named events remembered.
+const MAX_UNBORN: usize = 1 << 16;
 
 /// Most callbacks kept while the guest's callback connection is on its way.
 const MAX_PENDING_CALLBACKS: usize = 4096;
@@ -102,6 +110,12 @@ pub struct Shared {
     /// Where kernel completions are counted for the router (`control::DONE_PAGE`); until it
     /// comes, every completion is a DONE message.
     pub(crate) done_page: std::sync::OnceLock<hira_transport::CompletionPage>,
+    /// Calls waiting for a guest-named event to be bound (`Ctx::handle`), and how many.
+    bound: std::sync::Condvar,
+    bound_waiters: std::sync::atomic::AtomicUsize,
+    /// Where the completions of launches whose events the guest named are posted for it
+    /// (`control::EVENT_BOARD`): its waits for them need no round trip.
+    pub(crate) board: std::sync::OnceLock<hira_transport::EventBoard>,
 }
 
 impl Shared {
@@ -123,6 +137,9 @@ impl Shared {
             direct: crate::direct::Buffers::default(),
             unprofiled: Mutex::new(std::collections::HashSet::new()),
             done_page: std::sync::OnceLock::new(),
+            board: std::sync::OnceLock::new(),
+            bound: std::sync::Condvar::new(),
+            bound_waiters: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -139,6 +156,55 @@ impl Shared {
 
     pub(crate) fn table(&self) -> std::sync::MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An asynchronous enqueue that named event `id` failed: the event will never exist.
+    pub(crate) fn unborn(&self, id: u64) {
+        if id & (1 << 63) == 0 {
+            return;
+        }
+        let mut t = self.table();
+        if t.unborn.len() >= MAX_UNBORN {
+            t.unborn.clear();
+        }
+        t.unborn.insert(id);
+        drop(t);
+        self.wake_bound();
+    }
+
+    fn wake_bound(&self) {
+        if self.bound_waiters.load(Ordering::SeqCst) != 0 {
+            // Under the table's lock: a waiter between its check and its sleep holds it.
+            let _t = self.table();
+            self.bound.notify_all();
+        }
+    }
+
+    /// Event `id`, which the guest named for an enqueue that may still be on its way on
+    /// another connection (the application may wait for an event another thread's launch
+    /// made: natively it exists as soon as that launch returned; here the launch and the wait
+    /// travel on different connections, served by different threads). Waits for it to be
+    /// bound, for at most `UNBOUND_WAIT`.
+    fn await_bound(&self, id: u64) -> Option<usize> {
+        let deadline = std::time::Instant::now() + UNBOUND_WAIT;
+        let mut t = self.table();
+        self.bound_waiters.fetch_add(1, Ordering::SeqCst);
+        let found = loop {
+            if let Some(e) = t.by_id.get(&id).filter(|e| e.kind == K_EVENT) {
+                break Some(e.raw);
+            }
+            let now = std::time::Instant::now();
+            if t.unborn.contains(&id) || now >= deadline {
+                break None;
+            }
+            t = self
+                .bound
+                .wait_timeout(t, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        };
+        self.bound_waiters.fetch_sub(1, Ordering::SeqCst);
+        found
     }
 
     pub fn objects(&self) -> u64 {
@@ -283,6 +349,10 @@ pub struct Ctx {
     tracked: bool,
     /// The buffer a clSetKernelArg passed: (id, evicted so the vendor got NULL).
     pub(crate) arg_mem: Option<(u64, bool)>,
+    /// The guest's id for the event the request being run makes (0: none): if the request
+    /// fails, the event will never exist (`Shared::unborn`), and a launch's is posted on the
+    /// event board as failed.
+    pub named_event: u64,
 }
 
 /// An input the vendor reads: a pointer valid for the handler's duration.
@@ -366,6 +436,7 @@ impl Ctx {
             staged: Vec::new(),
             gate_held: Cell::new(false),
             tracked: false,
+            named_event: 0,
             arg_mem: None,
         }
     }
@@ -375,6 +446,7 @@ impl Ctx {
         self.staged.clear();
         self.tracked = false;
         self.arg_mem = None;
+        self.named_event = 0;
         if self.gate_held.replace(false) {
             self.shared.swap.gate.read_done();
         }
@@ -421,6 +493,16 @@ impl Ctx {
                     return crate::swap::restore(&self.shared, id);
                 }
                 Ok(e.raw as *mut c_void)
+            }
+            None if kind == K_EVENT && id & (1 << 63) != 0 => {
+                drop(t);
+                match self.shared.await_bound(id) {
+                    Some(raw) => Ok(raw as *mut c_void),
+                    None => {
+                        tracing::debug!(id, "event the guest named never made");
+                        Err(Fail::Cl(CL_INVALID_EVENT))
+                    }
+                }
             }
             _ => {
                 tracing::debug!(id, kind, "bad handle");
@@ -513,6 +595,8 @@ impl Ctx {
             },
         );
         t.by_raw.insert((raw as usize, kind), id);
+        drop(t);
+        self.shared.wake_bound();
         Ok(())
     }
 
@@ -948,27 +1032,42 @@ impl Ctx {
     }
 
     /// After an enqueue: charge its device time (kernels) and keep staged inputs alive until
-    /// its event completes; release the event if the server made it for itself.
-    pub(crate) fn track_event(&mut self, ret: i32, ev: *mut c_void, ours: bool, device_time: bool) {
+    /// its event completes; release the event if the server made it for itself. `post`: the
+    /// guest's id for the event, when the guest waits for it on the event board (launches).
+    pub(crate) fn track_event(
+        &mut self,
+        ret: i32,
+        ev: *mut c_void,
+        ours: bool,
+        device_time: bool,
+        post: u64,
+    ) {
         let staged = std::mem::take(&mut self.staged);
         self.tracked = true;
-        if ret != CL_SUCCESS || ev.is_null() {
+        let board = (post != 0).then(|| self.shared.board.get()).flatten();
+        let untracked = |shared: &Shared| {
             if device_time {
                 // The router holds a device slot for every launch it let through.
-                self.shared.report_done(0, false);
+                shared.report_done(0, false);
             }
+            if let Some(b) = board {
+                // Failed, or nobody will post it: the guest asks the server.
+                b.post(post, false);
+            }
+        };
+        if ret != CL_SUCCESS || ev.is_null() {
+            untracked(&self.shared);
             return;
         }
         let Some(set_cb) = self.api.clSetEventCallback else {
-            if device_time {
-                self.shared.report_done(0, false);
-            }
+            untracked(&self.shared);
             return;
         };
         let ctx = Box::new(DeviceTimeCtx {
             shared: self.shared.clone(),
             ours,
             device_time,
+            post: if board.is_some() { post } else { 0 },
             enqueued: std::time::Instant::now(),
             _staged: staged,
         });
@@ -983,10 +1082,7 @@ impl Ctx {
         };
         if r != CL_SUCCESS {
             tracing::debug!(r, "no completion callback");
-            if device_time {
-                // Nobody would free the router's slot otherwise.
-                self.shared.report_done(0, false);
-            }
+            untracked(&self.shared);
         }
     }
 }
@@ -1015,11 +1111,13 @@ struct DeviceTimeCtx {
     shared: Arc<Shared>,
     ours: bool,
     device_time: bool,
+    /// The guest's id for the event, to post on the event board (0: none).
+    post: u64,
     enqueued: std::time::Instant,
     _staged: Vec<Vec<u8>>,
 }
 
-extern "C" fn device_time_tramp(ev: *mut c_void, _status: i32, ud: *mut c_void) {
+extern "C" fn device_time_tramp(ev: *mut c_void, status: i32, ud: *mut c_void) {
     // SAFETY: ud is the box made in device_time, handed over exactly once.
     let ctx = unsafe { Box::from_raw(ud as *mut DeviceTimeCtx) };
     let api = ctx.shared.api;
@@ -1051,6 +1149,11 @@ extern "C" fn device_time_tramp(ev: *mut c_void, _status: i32, ud: *mut c_void) 
         };
         ctx.shared.device_ns.fetch_add(ns, Ordering::Relaxed);
         ctx.shared.report_done(ns, measured);
+    }
+    if ctx.post != 0 {
+        if let Some(b) = ctx.shared.board.get() {
+            b.post(ctx.post, status == CL_COMPLETE);
+        }
     }
     if ctx.ours {
         if let Some(rel) = api.clReleaseEvent {

@@ -329,7 +329,7 @@ pub fn h_hiraEnqueueReadBufferStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result
     };
     if ret != CL_SUCCESS || ev.is_null() {
         // A resident call while over-subscribed: the router holds a slot for it.
-        cx.track_event(ret, ev, false, gated);
+        cx.track_event(ret, ev, false, gated, 0);
         let mut w = Writer::default();
         w.i32(ret);
         return Ok(w);
@@ -339,9 +339,9 @@ pub fn h_hiraEnqueueReadBufferStaged(cx: &mut Ctx, r: &mut Reader<'_>) -> Result
         if let Some(retain) = retain {
             // SAFETY: a live event; the completion callback releases this extra reference.
             unsafe { retain(ev) };
-            cx.track_event(ret, ev, true, true);
+            cx.track_event(ret, ev, true, true, 0);
         } else {
-            cx.track_event(ret, ev, false, true);
+            cx.track_event(ret, ev, false, true, 0);
         }
     }
     stage_read(cx, ev, event_id, staging, data)?;

@@ -285,7 +285,7 @@ fn event_slot(cx: &Ctx, event_id: u64, ev: &mut *mut c_void) -> *mut *mut c_void
 /// After an enqueue: the event goes to the guest's id (or is released once complete).
 fn enqueued(cx: &mut Ctx, ret: i32, ev: *mut c_void, event_id: u64) -> Result<(), Fail> {
     let gated = cx.gated();
-    cx.track_event(ret, ev, event_id == 0, gated);
+    cx.track_event(ret, ev, event_id == 0, gated, 0);
     if ret == CL_SUCCESS && event_id != 0 && !ev.is_null() {
         cx.bind(event_id, ev, K_EVENT)?;
     }

@@ -5,7 +5,7 @@ use crate::ctx::{Ctx, Shared};
 use crate::Api;
 use anyhow::Context;
 use hira_opencl::cl::*;
-use hira_transport::{Conn, FrameReader, ShmRegion};
+use hira_transport::{Conn, EventBoard, FrameReader, ShmRegion};
 use hira_wire::{control, flags, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -181,11 +181,44 @@ fn send_usage(shared: &Shared, (dev, mem, objects, direct): (u64, u64, u64, u64)
         .is_some_and(|c| c.send(&w.buf, &[]).is_ok())
 }
 
+/// A request's outcome: the refusal's code, or the `ret` its reply starts with.
+fn reply_code(result: &Result<Writer, crate::Fail>) -> i32 {
+    match result {
+        Ok(w) if w.buf.len() >= 4 => i32::from_le_bytes([w.buf[0], w.buf[1], w.buf[2], w.buf[3]]),
+        Ok(_) => CL_SUCCESS,
+        Err(e) => e.code(),
+    }
+}
+
+/// A connection's unreported error of an asynchronous call, as counted on the event board: the
+/// guest's waits on the board ask the server while any is, and the server's reply reports it.
+struct DeferredCount<'a>(&'a Shared, bool);
+
+impl DeferredCount<'_> {
+    fn set(&mut self, on: bool) {
+        if on != self.1 {
+            if let Some(b) = self.0.board.get() {
+                b.deferred(on);
+                self.1 = on;
+            }
+        }
+    }
+}
+
+impl Drop for DeferredCount<'_> {
+    fn drop(&mut self) {
+        self.set(false);
+    }
+}
+
 /// A shadow thread: run this connection's requests in order.
 fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
     let out = conn.try_clone()?;
     let mut reader = FrameReader::new(conn);
     let mut deferred: i32 = 0;
+    // The deferred error as counted on the event board (uncounted when the connection ends).
+    let shared = cx.shared.clone();
+    let mut counted = DeferredCount(&shared, false);
     // No polling here (unlike the guest): on two cores a polling server starves the router.
     while let Some(frame) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)? {
         let h = Header::parse(frame)?;
@@ -196,15 +229,27 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
                 cx.async_frame = is_async;
                 let res = crate::swap::dispatch(&mut cx, op, payload);
                 let tracked = cx.tracked();
+                let named = cx.named_event;
                 cx.reset();
+                let info = hira_opencl::op(op);
                 if let Err(e) = &res {
-                    let info = hira_opencl::op(op);
                     tracing::debug!(op = info.map_or("?", |o| o.name), "request refused: {e}");
                     if !tracked && info.is_some_and(|o| o.device_time || (o.resident && cx.gated()))
                     {
                         // Refused before the vendor saw it: free the router's device slot.
                         cx.shared.report_done(0, false);
                     }
+                    if let (false, Some(b), true) = (
+                        tracked,
+                        cx.shared.board.get(),
+                        info.is_some_and(|o| o.device_time),
+                    ) {
+                        // The guest asks the server about this launch's event.
+                        b.post(named, false);
+                    }
+                }
+                if named != 0 && reply_code(&res) != CL_SUCCESS {
+                    cx.shared.unborn(named);
                 }
                 res
             }
@@ -214,6 +259,18 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
                 match (rd.u64(), rd.u64(), reader.take_fd()) {
                     (Ok(addr), Ok(len), Some(fd)) => cx.shared.svm.take_arena(fd, addr, len),
                     _ => tracing::warn!("malformed SVM_ARENA refused"),
+                }
+                continue;
+            }
+            (Kind::Control, control::EVENT_BOARD) => {
+                match reader.take_fd().map(EventBoard::from_fd) {
+                    Some(Ok(b)) => {
+                        // One board per tenant; every connection sends it once.
+                        let _ = cx.shared.board.set(b);
+                        counted.set(deferred != 0);
+                    }
+                    Some(Err(e)) => tracing::warn!("EVENT_BOARD refused: {e}"),
+                    None => tracing::warn!("EVENT_BOARD without a board refused"),
                 }
                 continue;
             }
@@ -229,13 +286,7 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
             }
         };
         if is_async {
-            let code = match &result {
-                Ok(w) if w.buf.len() >= 4 => {
-                    i32::from_le_bytes([w.buf[0], w.buf[1], w.buf[2], w.buf[3]])
-                }
-                Ok(_) => 0,
-                Err(e) => e.code(),
-            };
+            let code = reply_code(&result);
             if code != CL_SUCCESS && deferred == 0 {
                 let name = hira_opencl::op(h.opcode).map_or("?", |o| o.name);
                 tracing::info!(
@@ -244,6 +295,8 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
                     "asynchronous call failed; reported at the next sync call"
                 );
                 deferred = code;
+                // The guest's waits on the board then ask the server, which reports it.
+                counted.set(true);
             }
             continue;
         }
@@ -257,6 +310,7 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
             fl |= flags::DEFERRED_ERROR;
             w.i32(deferred);
             deferred = 0;
+            counted.set(false);
         }
         if let Ok(body) = &result {
             w.buf.extend_from_slice(&body.buf);

@@ -255,7 +255,7 @@ fn u64s(v: &crate::ctx::In<u64>, n: u64) -> Vec<u64> {
 /// After an enqueue: the event goes to the guest's id (or is released once complete), and
 /// staged input bytes live until the command completes.
 fn enqueued(cx: &mut Ctx, ret: i32, ev: *mut c_void, event_id: u64) -> Result<(), Fail> {
-    cx.track_event(ret, ev, event_id == 0, false);
+    cx.track_event(ret, ev, event_id == 0, false, 0);
     if ret == CL_SUCCESS && event_id != 0 && !ev.is_null() {
         cx.bind(event_id, ev, K_EVENT)?;
     }
@@ -716,7 +716,7 @@ fn stage(
     data: Vec<u8>,
 ) -> Result<Writer, Fail> {
     // Staged source bytes (host to host) live until the copy completes.
-    cx.track_event(ret, ev, false, false);
+    cx.track_event(ret, ev, false, false, 0);
     if ret != CL_SUCCESS || ev.is_null() {
         return status(ret);
     }

@@ -1,18 +1,21 @@
 //! Channels between hira's processes (Linux only): connected Unix stream
 //! sockets that carry file descriptors ([`Conn`], [`Listener`]), a buffered
 //! frame reader over them ([`FrameReader`]), and memfd-backed shared memory
-//! ([`ShmRegion`]) whose fd travels over a [`Conn`], and the page of kernel
-//! completions an API server shares with the router ([`CompletionPage`]).
+//! ([`ShmRegion`]) whose fd travels over a [`Conn`], the page of kernel
+//! completions an API server shares with the router ([`CompletionPage`]), and the
+//! board of launch completions it shares with its guest ([`EventBoard`]).
 //!
 //! This crate moves bytes and fds; it knows nothing of the wire format beyond
 //! "a fixed-size header says how long the frame is". Everything a peer sends
 //! is hostile: lengths are bounded, received fds are owned immediately, and
 //! shared memory is validated before it is mapped.
 
+pub mod board;
 pub mod completion;
 pub mod shm;
 pub mod unix;
 
+pub use board::EventBoard;
 pub use completion::CompletionPage;
 pub use shm::*;
 pub use unix::*;

@@ -109,6 +109,13 @@ pub mod control {
     /// payload.
     pub const DONE_PAGE: u16 = 15;
 
+    /// Guest → server (through the router, which forwards the fd): the tenant's event board
+    /// (`hira_transport::EventBoard`, fd attached), sent once on each connection before its
+    /// first launch that names an event. The server posts the completions of launches whose
+    /// events the guest named there, so the guest waits for them without a round trip. No
+    /// payload, no reply.
+    pub const EVENT_BOARD: u16 = 16;
+
     /// Connection roles carried by HELLO.
     pub const ROLE_CALLS: u32 = 1;
     /// The connection on which the server delivers callbacks to the guest.
