@@ -329,6 +329,55 @@ fn async_stream(cl: &Cl, n: u32) -> Result<Row> {
     })
 }
 
+/// Launches of an empty kernel, each with an event, `depth` of them outstanding: the
+/// application waits for the oldest and releases it before the next launch (depth 1: a
+/// launch and its wait, one after the other).
+fn launch_waits(cl: &Cl, n: u32, depth: usize) -> Result<Row> {
+    let api = cl.api;
+    let kernel = cl.kernel(b"__kernel void k(int a) { }\0", c"k")?;
+    let set = api.clSetKernelArg.context("missing")?;
+    let wait = api.clWaitForEvents.context("missing")?;
+    let release = api.clReleaseEvent.context("missing")?;
+    let mut pending = std::collections::VecDeque::new();
+    let wait_oldest = |pending: &mut std::collections::VecDeque<*mut c_void>| -> Result<()> {
+        let ev = pending.pop_front().context("an outstanding launch")?;
+        // SAFETY: a live event of ours, released exactly once here.
+        unsafe {
+            check("clWaitForEvents", wait(1, &ev))?;
+            release(ev);
+        }
+        Ok(())
+    };
+    let t = Instant::now();
+    for i in 0..n {
+        let a = i as i32;
+        let mut ev = std::ptr::null_mut();
+        // SAFETY: a 4-byte argument of a live kernel.
+        check("clSetKernelArg", unsafe {
+            set(kernel, 0, 4, &a as *const i32 as *const c_void)
+        })?;
+        cl.launch_1d(kernel, 1, &mut ev)?;
+        pending.push_back(ev);
+        if pending.len() >= depth {
+            wait_oldest(&mut pending)?;
+        }
+    }
+    while !pending.is_empty() {
+        wait_oldest(&mut pending)?;
+    }
+    let per = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+    Ok(Row {
+        name: if depth == 1 {
+            format!("launch + wait, empty kernel ({n}x)")
+        } else {
+            format!("launches, {depth} queued, wait oldest ({n}x)")
+        },
+        value: per,
+        unit: "us/kernel",
+        higher_better: false,
+    })
+}
+
 fn bandwidth(cl: &Cl, size: usize, write: bool) -> Result<Row> {
     let api = cl.api;
     let mut err = 0;
@@ -405,6 +454,8 @@ pub fn worker(quick: bool) -> Result<Vec<Row>> {
         sync_call(&cl, if quick { 2000 } else { 20000 })?,
         kept_info(&cl, if quick { 2000 } else { 20000 })?,
         async_stream(&cl, if quick { 10_000 } else { 100_000 })?,
+        launch_waits(&cl, if quick { 2000 } else { 20000 }, 1)?,
+        launch_waits(&cl, if quick { 2000 } else { 20000 }, 3)?,
     ];
     let sizes: &[usize] = if quick {
         &[4 << 10, 1 << 20, 16 << 20]
@@ -432,6 +483,7 @@ pub fn decode(s: &str) -> Vec<Row> {
             let f: Vec<&str> = l.split('\t').collect();
             let unit = match *f.get(2)? {
                 "us/call" => "us/call",
+                "us/kernel" => "us/kernel",
                 "GB/s" => "GB/s",
                 _ => return None,
             };

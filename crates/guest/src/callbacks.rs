@@ -88,7 +88,10 @@ fn listen(mut conn: Connection) {
                 // SAFETY: the application registered this function with this signature.
                 let f: extern "C" fn(*mut c_void, i32, *mut c_void) =
                     unsafe { std::mem::transmute(pfn) };
-                f(rt::shell(ev, K_EVENT), status, ud);
+                let event = rt::shell(ev, K_EVENT);
+                f(event, status, ud);
+                // The reference clSetEventCallback took (`events.rs`).
+                rt::event_unref(event);
             }
             CallbackKind::ProgramNotify => {
                 let Ok(prog) = r.u64() else { continue };

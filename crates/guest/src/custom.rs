@@ -11,6 +11,7 @@ use std::ffi::{c_char, c_void, CStr};
 use std::sync::{Mutex, OnceLock};
 
 pub use crate::board::clWaitForEvents;
+pub use crate::events::{clReleaseEvent, clRetainEvent, clSetEventCallback};
 pub use crate::staged::{clEnqueueReadBuffer, clEnqueueWriteBuffer};
 pub use crate::svm::{
     clEnqueueSVMFree, clEnqueueSVMMap, clEnqueueSVMMemFill, clEnqueueSVMMemcpy,

@@ -144,6 +144,20 @@ unsafe fn set(event: *mut *mut std::ffi::c_void, answers: &[(u16, u32, &[u8])]) 
     }
 }
 
+/// Event `id` is gone: its kept answers go (ids are never reused, this only frees room).
+pub fn forget_event(id: u64) {
+    let mut c = cache();
+    if c.is_empty() {
+        return;
+    }
+    for param in 0x11D0..=0x11D4 {
+        c.remove(&(OP_CLGETEVENTINFO, id, param));
+    }
+    for param in 0x1280..=0x1284 {
+        c.remove(&(OP_CLGETEVENTPROFILINGINFO, id, param));
+    }
+}
+
 const CL_EVENT_COMMAND_TYPE: u32 = 0x11D1;
 
 /// The command an event stands for, where the guest carried it out with other commands

@@ -9,6 +9,7 @@ mod board;
 mod callbacks;
 mod custom;
 mod direct;
+mod events;
 mod infocache;
 mod rt;
 mod staged;

@@ -51,6 +51,9 @@ pub struct Shell {
     pub in_arena: std::sync::atomic::AtomicBool,
     /// A launch's event the server posts on the event board (`board.rs`).
     pub on_board: std::sync::atomic::AtomicBool,
+    /// An event's references held by the application and by its pending callbacks
+    /// (`events.rs`); unused for other kinds.
+    refs: std::sync::atomic::AtomicU32,
 }
 
 #[derive(Default)]
@@ -82,11 +85,44 @@ pub fn shell(id: u64, kind: u8) -> *mut c_void {
         host_ptr: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
         in_arena: std::sync::atomic::AtomicBool::new(false),
         on_board: std::sync::atomic::AtomicBool::new(false),
+        refs: std::sync::atomic::AtomicU32::new(1),
     });
     let p = Box::into_raw(b) as usize;
     s.by_id.insert(id, p);
     s.by_addr.insert(p, id);
     p as *mut c_void
+}
+
+/// One more reference to event shell `p` (nothing for other pointers).
+pub fn event_ref(p: *mut c_void) {
+    if let Some(s) = shell_ref(p).filter(|s| s.kind == K_EVENT) {
+        s.refs.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// One reference fewer to event shell `p`; the last frees it (`events.rs`). Over-releases are
+/// ignored (the server answers them).
+pub fn event_unref(p: *mut c_void) {
+    let mut s = shells();
+    let Some(&id) = s.by_addr.get(&(p as usize)) else {
+        return;
+    };
+    // SAFETY: a live shell (it is in the table, and shells leave it only here, under the lock).
+    let shell = unsafe { &*(p as *const Shell) };
+    if shell.kind != K_EVENT {
+        return;
+    }
+    let before = shell
+        .refs
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    if before == Ok(1) {
+        s.by_addr.remove(&(p as usize));
+        s.by_id.remove(&id);
+        drop(s);
+        // SAFETY: made by Box::into_raw in `shell`, out of the table now, no reference left.
+        drop(unsafe { Box::from_raw(p as *mut Shell) });
+        crate::infocache::forget_event(id);
+    }
 }
 
 /// The shell behind an application pointer, if it is one of ours. Found by address: the
@@ -95,7 +131,8 @@ pub fn shell_ref<'a>(p: *mut c_void) -> Option<&'a Shell> {
     if p.is_null() || !shells().by_addr.contains_key(&(p as usize)) {
         return None;
     }
-    // SAFETY: p is a live shell: shells are leaked boxes, never freed.
+    // SAFETY: p is a live shell: shells are never freed, but for events whose last
+    // reference the application gave up (using one after that is the application's error).
     Some(unsafe { &*(p as *const Shell) })
 }
 

@@ -427,7 +427,7 @@ extern "C" fn free_callback(ev: *mut c_void, _status: i32, ud: *mut c_void) {
     );
     if cb.own_event {
         // SAFETY: the marker event this guest created for the callback.
-        unsafe { stubs::clReleaseEvent(ev) };
+        unsafe { crate::events::clReleaseEvent(ev) };
     }
 }
 
@@ -476,14 +476,19 @@ pub unsafe extern "C" fn clEnqueueSVMFree(
             }));
             // SAFETY: a live event; free_callback takes the box back exactly once.
             let ret = unsafe {
-                stubs::clSetEventCallback(ev, CL_COMPLETE, free_callback as *mut c_void, cb as _)
+                crate::events::clSetEventCallback(
+                    ev,
+                    CL_COMPLETE,
+                    free_callback as *mut c_void,
+                    cb as _,
+                )
             };
             if ret != CL_SUCCESS {
                 // SAFETY: not handed over (the registration failed).
                 drop(unsafe { Box::from_raw(cb) });
                 if event.is_null() {
                     // SAFETY: our own marker event.
-                    unsafe { stubs::clReleaseEvent(ev) };
+                    unsafe { crate::events::clReleaseEvent(ev) };
                 }
             }
             return Ok(ret);
@@ -796,7 +801,7 @@ unsafe fn ordered_marker(
     let ret = unsafe { stubs::clWaitForEvents(1, evp) };
     if event.is_null() {
         // SAFETY: our own marker event.
-        unsafe { stubs::clReleaseEvent(own) };
+        unsafe { crate::events::clReleaseEvent(own) };
     }
     ret
 }

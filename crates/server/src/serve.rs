@@ -181,6 +181,13 @@ fn send_usage(shared: &Shared, (dev, mem, objects, direct): (u64, u64, u64, u64)
         .is_some_and(|c| c.send(&w.buf, &[]).is_ok())
 }
 
+/// A launch refused before the vendor saw it: its event posted as failed on the board.
+fn post_refused(cx: &Ctx, named: u64) {
+    if let (true, Some(b)) = (named != 0, cx.shared.board.get()) {
+        b.post(named, false);
+    }
+}
+
 /// A request's outcome: the refusal's code, or the `ret` its reply starts with.
 fn reply_code(result: &Result<Writer, crate::Fail>) -> i32 {
     match result {
@@ -219,6 +226,8 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
     // The deferred error as counted on the event board (uncounted when the connection ends).
     let shared = cx.shared.clone();
     let mut counted = DeferredCount(&shared, false);
+    // The guest's id for the event of a launch refused before the vendor saw it.
+    let mut refused_launch = 0u64;
     // No polling here (unlike the guest): on two cores a polling server starves the router.
     while let Some(frame) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)? {
         let h = Header::parse(frame)?;
@@ -239,13 +248,10 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
                         // Refused before the vendor saw it: free the router's device slot.
                         cx.shared.report_done(0, false);
                     }
-                    if let (false, Some(b), true) = (
-                        tracked,
-                        cx.shared.board.get(),
-                        info.is_some_and(|o| o.device_time),
-                    ) {
-                        // The guest asks the server about this launch's event.
-                        b.post(named, false);
+                    if !tracked && info.is_some_and(|o| o.device_time) {
+                        // The guest asks the server about this launch's event (posted once
+                        // the error is counted, below).
+                        refused_launch = named;
                     }
                 }
                 if named != 0 && reply_code(&res) != CL_SUCCESS {
@@ -298,8 +304,10 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
                 // The guest's waits on the board then ask the server, which reports it.
                 counted.set(true);
             }
+            post_refused(&cx, std::mem::take(&mut refused_launch));
             continue;
         }
+        post_refused(&cx, std::mem::take(&mut refused_launch));
         let mut w = Writer::with_header_room(HEADER_LEN);
         let mut fl = 0;
         match &result {

@@ -42,6 +42,17 @@ static cl_context ctx;
 static cl_device_id dev;
 static cl_program prog;
 
+/* Resident set size in KiB. */
+static long rss_kib(void) {
+    long pages = 0, resident = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f) {
+        if (fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+        fclose(f);
+    }
+    return resident * 4;
+}
+
 static uint64_t fnv1a(const void *p, size_t n) {
     const unsigned char *b = p;
     uint64_t h = 1469598103934665603ull;
@@ -280,6 +291,27 @@ int main(void) {
         clReleaseEvent(ev);
         clReleaseEvent(wr);
         free(h);
+        clReleaseMemObject(m);
+    }
+
+    /* ---- many events made and released: nothing may pile up */
+    {
+        cl_mem m = zeroed(q);
+        long before = 0;
+        for (cl_uint i = 0; i < 120000; i++) {
+            cl_event ev = step(q, k, m, i, 0, NULL);
+            if (i == 20000) {
+                CHECK(clFinish(q));
+                before = rss_kib();
+            }
+            clReleaseEvent(ev);
+            if (i % 1000 == 999) CHECK(clFinish(q));
+        }
+        CHECK(clFinish(q));
+        long grew = rss_kib() - before;
+        printf("100000 more events made and released: memory grew under 8 MiB: %s\n",
+               grew < 8192 ? "yes" : "no");
+        if (grew >= 8192) fprintf(stderr, "grew by %ld KiB\n", grew);
         clReleaseMemObject(m);
     }
 
