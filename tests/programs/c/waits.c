@@ -1,7 +1,7 @@
 /*
  * waits.c: waiting for kernel launches' events, the way applications do — a loop keeping a
  * few launches queued and waiting for the oldest, one wait for many events, a kernel longer
- * than hira's wait on its event board (100 ms), launches gated by a user event that fails,
+ * than hira's wait on its event board (2 ms), launches gated by a user event that fails,
  * events of launches made by another thread, and waits mixing a launch's event with a
  * transfer's. Prints only what must be the same natively and under hira.
  *
