@@ -60,21 +60,11 @@ fn launch(c: &mut Client, queue: u64, kernel: u64, event: u64) {
 fn finish(c: &mut Client, queue: u64) -> (i32, Option<i32>) {
     let mut w = Writer::default();
     w.u64(queue);
-    c.send(OP_CLFINISH, &w.buf, 0);
-    loop {
-        let f = c
-            .reader
-            .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
-            .expect("reply")
-            .expect("open");
-        let h = Header::parse(f).expect("header");
-        if h.kind == Kind::Reply && h.seq == c.seq {
-            let mut r = Reader::new(&f[HEADER_LEN..]);
-            let status = r.i32().expect("status");
-            let deferred = (h.flags & flags::DEFERRED_ERROR != 0).then(|| r.i32().expect("code"));
-            return (status, deferred);
-        }
-    }
+    let (h, p) = c.call_raw(OP_CLFINISH, &w);
+    let mut r = Reader::new(&p);
+    let status = r.i32().expect("status");
+    let deferred = (h.flags & flags::DEFERRED_ERROR != 0).then(|| r.i32().expect("code"));
+    (status, deferred)
 }
 
 fn within(s: u64) -> Instant {

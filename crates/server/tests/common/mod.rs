@@ -201,6 +201,18 @@ impl Client {
     /// A synchronous call (asynchronous ones too: without the flag the server answers):
     /// (status, rest of the reply).
     pub fn call(&mut self, op: u16, w: &Writer) -> (i32, Vec<u8>) {
+        let (h, p) = self.call_raw(op, w);
+        let status = Reader::new(&p).i32().expect("status");
+        let skip = if h.flags & flags::DEFERRED_ERROR != 0 {
+            8
+        } else {
+            4
+        };
+        (status, p[skip..].to_vec())
+    }
+
+    /// A synchronous call: its reply's header and whole payload.
+    pub fn call_raw(&mut self, op: u16, w: &Writer) -> (Header, Vec<u8>) {
         self.send(op, &w.buf, 0);
         loop {
             let f = self
@@ -210,14 +222,7 @@ impl Client {
                 .expect("server closed the connection");
             let h = Header::parse(f).expect("header");
             if h.kind == Kind::Reply && h.seq == self.seq {
-                let p = &f[HEADER_LEN..];
-                let status = Reader::new(p).i32().expect("status");
-                let skip = if h.flags & flags::DEFERRED_ERROR != 0 {
-                    8
-                } else {
-                    4
-                };
-                return (status, p[skip..].to_vec());
+                return (h, f[HEADER_LEN..].to_vec());
             }
         }
     }
