@@ -128,6 +128,23 @@ for i in "${!names[@]}"; do
     fi
 done
 
+# The verdict on a second run: verdict <status of the comparison> <label> <program> <what>
+# <rc of the run>; on failure the diff and the end of stderr are shown.
+verdict() {
+    local ok="$1" label="$2" prog="$3" what="$4" rc="$5"
+    if [ "$ok" = 0 ]; then
+        echo "PASS $prog ($what)"
+        pass=$((pass + 1))
+    else
+        echo "   $prog ($label): rc=$rc or stdout differs:"
+        head -n 40 "$LOGS/$prog.$label.diff" 2>/dev/null | sed 's/^/     | /'
+        tail -n 5 "$LOGS/$prog.$label.err" | sed 's/^/     | /'
+        echo "FAIL $prog ($what)"
+        fail=$((fail + 1))
+        failed+=("$prog-$label")
+    fi
+}
+
 # Coarse-grained SVM through guest mirrors, what hira does where the device offers no fine
 # grain (on a CPU device every SVM allocation lives in the shared arena): svm.c once more,
 # through a router of its own whose servers offer no fine-grained SVM (HIRA_FINE_SVM=0),
@@ -147,39 +164,22 @@ if [ "$NATIVE_ONLY" = 0 ] && [ -x "$OUT/svm" ]; then
         grep -v -e 'fine-grain' -e 'followed a pointer' -e 'kernel walked' \
             -e 'atomic increments' -e 'copied out of fine' "$1" || true
     }
-    if [ "$rc" = 0 ] && diff -u --label "svm (native, coarse lines)" --label "svm (mirrors)" \
-            <(coarse "$LOGS/svm.native.out") <(coarse "$LOGS/svm.mirrors.out") \
-            >"$LOGS/svm.mirrors.diff"; then
-        echo "PASS svm (coarse-grained SVM through mirrors)"
-        pass=$((pass + 1))
-    else
-        echo "   svm (mirrors): rc=$rc or stdout differs:"
-        head -n 40 "$LOGS/svm.mirrors.diff" | sed 's/^/     | /'
-        tail -n 5 "$LOGS/svm.mirrors.err" | sed 's/^/     | /'
-        echo "FAIL svm (coarse-grained SVM through mirrors)"
-        fail=$((fail + 1))
-        failed+=("svm-mirrors")
-    fi
+    same=0
+    { [ "$rc" = 0 ] && diff -u --label "svm (native, coarse lines)" --label "svm (mirrors)" \
+        <(coarse "$LOGS/svm.native.out") <(coarse "$LOGS/svm.mirrors.out") \
+        >"$LOGS/svm.mirrors.diff"; } || same=$?
+    verdict "$same" mirrors svm "coarse-grained SVM through mirrors" "$rc"
 fi
 
 # A program once more under hira with `env` in the application's environment, compared line
 # for line with its native run: again <label> <program> <env> <what>.
 again() {
-    local label="$1" prog="$2" env="$3" what="$4" rc=0
+    local label="$1" prog="$2" env="$3" what="$4" rc=0 same=0
     [ "$NATIVE_ONLY" = 0 ] && [ -x "$OUT/$prog" ] || return 0
     run_one "$label" "$prog" env "$env" "$HIRA" run -- "$OUT/$prog" || rc=$?
-    if [ "$rc" = 0 ] && diff -u --label "$prog (native)" --label "$prog ($label)" \
-            "$LOGS/$prog.native.out" "$LOGS/$prog.$label.out" >"$LOGS/$prog.$label.diff"; then
-        echo "PASS $prog ($what)"
-        pass=$((pass + 1))
-    else
-        echo "   $prog ($label): rc=$rc or stdout differs:"
-        head -n 40 "$LOGS/$prog.$label.diff" | sed 's/^/     | /'
-        tail -n 5 "$LOGS/$prog.$label.err" | sed 's/^/     | /'
-        echo "FAIL $prog ($what)"
-        fail=$((fail + 1))
-        failed+=("$prog-$label")
-    fi
+    { [ "$rc" = 0 ] && diff -u --label "$prog (native)" --label "$prog ($label)" \
+        "$LOGS/$prog.native.out" "$LOGS/$prog.$label.out" >"$LOGS/$prog.$label.diff"; } || same=$?
+    verdict "$same" "$label" "$prog" "$what" "$rc"
 }
 
 # Buffers outside the arena, what hira does on devices that are not the CPU, for transfers

@@ -30,6 +30,42 @@ fn pending() -> std::sync::MutexGuard<'static, Vec<Pending>> {
 static NEXT: AtomicU64 = AtomicU64::new(1);
 static ANY: AtomicU64 = AtomicU64::new(0);
 
+/// A blocking transfer done in place (a buffer in the arena, `direct.rs`) or pipelined in
+/// chunks (large, no wait list); `None` for the rest.
+///
+/// # Safety
+/// As `clEnqueueReadBuffer` (`write`: as `clEnqueueWriteBuffer`), `ptr` as the call's.
+#[allow(clippy::too_many_arguments)]
+unsafe fn bulk(
+    write: bool,
+    queue: *mut c_void,
+    buffer: *mut c_void,
+    blocking: u32,
+    offset: usize,
+    size: usize,
+    ptr: *mut u8,
+    nwait: u32,
+    wait: *const *mut c_void,
+    event: *mut *mut c_void,
+) -> Option<i32> {
+    // SAFETY: forwarded contract.
+    let direct = unsafe {
+        crate::direct::transfer(
+            write, queue, buffer, blocking, offset, size, ptr, nwait, wait, event,
+        )
+    };
+    if direct.is_some() {
+        return direct;
+    }
+    if blocking != 0 && nwait == 0 && size >= crate::transfer::PIPELINE_FROM && !ptr.is_null() {
+        // SAFETY: forwarded contract (blocking, no wait list).
+        return Some(unsafe {
+            crate::transfer::pipelined(write, queue, buffer, offset, size, ptr, event)
+        });
+    }
+    None
+}
+
 /// `clEnqueueReadBuffer`: blocking reads of a buffer in the arena are copied in place (`direct.rs`),
 /// other blocking reads go straight through; non-blocking ones are staged.
 ///
@@ -47,8 +83,8 @@ pub unsafe extern "C" fn clEnqueueReadBuffer(
     event: *mut *mut c_void,
 ) -> i32 {
     // SAFETY: forwarded contract.
-    let direct = unsafe {
-        crate::direct::transfer(
+    if let Some(ret) = unsafe {
+        bulk(
             false,
             queue,
             buffer,
@@ -60,15 +96,8 @@ pub unsafe extern "C" fn clEnqueueReadBuffer(
             wait,
             event,
         )
-    };
-    if let Some(ret) = direct {
+    } {
         return ret;
-    }
-    if blocking != 0 && nwait == 0 && size >= crate::transfer::PIPELINE_FROM && !ptr.is_null() {
-        // SAFETY: forwarded contract (blocking, no wait list).
-        return unsafe {
-            crate::transfer::pipelined(false, queue, buffer, offset, size, ptr as *mut u8, event)
-        };
     }
     if blocking != 0 || ptr.is_null() || size == 0 {
         // SAFETY: forwarded contract.
@@ -201,8 +230,8 @@ pub unsafe extern "C" fn clEnqueueWriteBuffer(
     event: *mut *mut c_void,
 ) -> i32 {
     // SAFETY: forwarded contract.
-    let direct = unsafe {
-        crate::direct::transfer(
+    if let Some(ret) = unsafe {
+        bulk(
             true,
             queue,
             buffer,
@@ -214,15 +243,8 @@ pub unsafe extern "C" fn clEnqueueWriteBuffer(
             wait,
             event,
         )
-    };
-    if let Some(ret) = direct {
+    } {
         return ret;
-    }
-    if blocking != 0 && nwait == 0 && size >= crate::transfer::PIPELINE_FROM && !ptr.is_null() {
-        // SAFETY: forwarded contract (blocking, no wait list).
-        return unsafe {
-            crate::transfer::pipelined(true, queue, buffer, offset, size, ptr as *mut u8, event)
-        };
     }
     // SAFETY: forwarded contract.
     unsafe {
