@@ -82,7 +82,14 @@ run_suite() {
         --deselect test/test_array.py::test_xdg_cache_home
         --junitxml="$xml"
         ${modules[@]+"${modules[@]}"} ${pytest_extra[@]+"${pytest_extra[@]}"})
-    [ "$mode" = hira ] && cmd=("$HIRA" run -- "${cmd[@]}")
+    # Under hira, a router of this run's own: its log (router and API servers) is kept
+    # beside the pytest log, and its warnings are shown when a test fails.
+    local router_dir="$OUT/router-$tag"
+    if [ "$mode" = hira ]; then
+        cmd=(env HIRA_SOCKET="$router_dir/router.sock" "$HIRA" run -- "${cmd[@]}")
+        mkdir -p "$router_dir"
+        : > "$router_dir/router.log"
+    fi
     echo "== pyopencl suite ($tag, $mode): pocl cache $(cache_state)"
     echo "   cd $TESTDIR && PYOPENCL_TEST=portable ${cmd[*]}"
     local start end rc=0
@@ -95,6 +102,10 @@ run_suite() {
     printf -v "rc_$mode" '%s' "$rc"
     printf -v "secs_$mode" '%s' "$((end - start))"
     echo "== $mode: pytest exit $rc, wall $((end - start))s (log: $log)"
+    if [ "$mode" = hira ] && [ "$rc" != 0 ]; then
+        echo "== hira's warnings and SVM lines during the run ($router_dir/router.log):"
+        grep -E " (WARN|ERROR) |arena|SVM" "$router_dir/router.log" | tail -n 60 || true
+    fi
 }
 
 rc_native=""; rc_hira=""; secs_native=""; secs_hira=""

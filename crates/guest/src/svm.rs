@@ -107,7 +107,7 @@ fn made(st: &mut Option<GuestArena>) -> bool {
         std::mem::forget(st.take());
     }
     if st.is_none() {
-        let made = hira_transport::ShmRegion::create("hira-svm", ARENA_LEN)
+        let made = hira_transport::ShmRegion::create_in_window("hira-svm", ARENA_LEN)
             .map_err(|e| log(&format!("no SVM arena: {e}")))
             .ok()
             .filter(|r| send_arena(r).is_ok());
@@ -146,14 +146,15 @@ pub(crate) fn in_arena(p: usize, len: usize) -> bool {
 
 /// A fine-grained allocation in the arena, which is made and sent on first use. When the
 /// arena's address is taken in the server, the server offers a free one: the arena is mapped
-/// there too and sent again (a few times at most).
+/// there too (or, if that is taken here, at another random address of the shared window)
+/// and sent again, a few times at most.
 fn fine_alloc(context: *mut c_void, flags: u64, size: usize, alignment: u32) -> *mut c_void {
     let mut st = arena();
     if !made(&mut st) {
         return std::ptr::null_mut();
     }
     let pid = std::process::id();
-    for _ in 0..4 {
+    for _ in 0..8 {
         let (p, offer) = alloc_on_server(context, flags, size, alignment).unwrap_or((0, 0));
         if p != 0 {
             allocs().insert(
@@ -167,12 +168,20 @@ fn fine_alloc(context: *mut c_void, flags: u64, size: usize, alignment: u32) -> 
             return p as usize as *mut c_void;
         }
         let Some(cur) = st.as_ref() else { break };
-        if offer == 0 || offer as usize == cur.region.as_ptr() as usize {
+        if offer == 0 {
+            // The server has the arena (and refused for another reason), or refused it.
             break;
         }
-        match cur.region.map_again_at(offer as usize) {
+        let twin = match cur.region.map_again_at(offer as usize) {
+            Ok(twin) => Ok(twin),
+            Err(_) => cur.region.map_again_in_window(),
+        };
+        match twin {
             Ok(twin) if send_arena(&twin).is_ok() => {
-                log("clSVMAlloc: arena moved to the address the server offered");
+                log(&format!(
+                    "clSVMAlloc: arena moved to {:#x} (offered {offer:#x})",
+                    twin.as_ptr() as usize
+                ));
                 *st = Some(GuestArena { region: twin, pid });
             }
             _ => break,

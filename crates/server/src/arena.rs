@@ -3,7 +3,8 @@
 //! Fine-grained SVM lets the host and the device touch the same bytes without map/unmap,
 //! and lets SVM memory hold pointers into SVM memory. Across a process boundary that needs
 //! memory both processes map at the same address. The guest creates a memfd (sealed against
-//! shrinking), maps it and sends it with its address (`control::SVM_ARENA`); the server maps
+//! shrinking), maps it at a random address of [`hira_transport::SHARED_WINDOW`] (free in both
+//! processes almost surely) and sends it with its address (`control::SVM_ARENA`); the server maps
 //! it at that very address ([`hira_transport::ShmRegion::from_fd_at`], never replacing a
 //! mapping of its own) and carves fine-grained allocations out of it. On a CPU device a
 //! kernel reaches any host memory, so the vendor takes these pointers like its own.
@@ -148,15 +149,32 @@ impl Arena {
     }
 }
 
-/// An address range of `len` bytes that nothing in this process maps right now.
-fn free_address(len: usize) -> Option<usize> {
-    // SAFETY: an anonymous PROT_NONE reservation anywhere the kernel likes, unmapped at once.
+/// An address range of `len` bytes that nothing in this process maps right now: a random
+/// one in the window where the guest places its arena (so it is almost surely free there
+/// too), else wherever the kernel likes.
+pub(crate) fn free_address(len: usize) -> Option<usize> {
+    (0..16)
+        .filter_map(|_| hira_transport::window_address(len))
+        .find(|&at| is_free(at, len))
+        .or_else(|| probe(0, len, 0))
+}
+
+/// Whether nothing of this process is mapped in `[at, at + len)` right now.
+pub(crate) fn is_free(at: usize, len: usize) -> bool {
+    at != 0 && probe(at, len, libc::MAP_FIXED_NOREPLACE) == Some(at)
+}
+
+/// Where the kernel puts an anonymous reservation of `len` bytes asked for at `at` with
+/// `flags`; the reservation is undone at once.
+fn probe(at: usize, len: usize, flags: libc::c_int) -> Option<usize> {
+    // SAFETY: an anonymous PROT_NONE reservation (MAP_FIXED_NOREPLACE never replaces a
+    // mapping; without it `at` is a hint), unmapped at once.
     unsafe {
         let p = libc::mmap(
-            std::ptr::null_mut(),
+            at as *mut libc::c_void,
             len,
             libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | flags,
             -1,
             0,
         );

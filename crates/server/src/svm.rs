@@ -79,6 +79,9 @@ pub(crate) struct Table {
     arena: Mutex<Option<Arena>>,
     /// A free address to offer the guest after its arena's address was taken here (0: none).
     offer: AtomicU64,
+    /// Length of the arena the guest sent last, while none is mapped (0: none sent, or it
+    /// was refused for a reason no other address cures).
+    unplaced: AtomicU64,
 }
 
 impl Table {
@@ -106,6 +109,23 @@ impl Table {
     /// Number of live allocations (tests and logs).
     pub(crate) fn len(&self) -> usize {
         self.lock().len()
+    }
+
+    /// Where the guest should map its unplaced arena: the address offered when it was taken,
+    /// while that is still free here, else a fresh free one (0 when there is no arena to
+    /// place). Asked with no arena mapped.
+    fn offer_address(&self) -> u64 {
+        let len = self.unplaced.load(Ordering::Relaxed);
+        if len == 0 {
+            return 0;
+        }
+        let offer = self.offer.load(Ordering::Relaxed);
+        if offer != 0 && arena::is_free(offer as usize, len as usize) {
+            return offer;
+        }
+        let fresh = arena::free_address(len as usize).unwrap_or(0) as u64;
+        self.offer.store(fresh, Ordering::Relaxed);
+        fresh
     }
 
     pub(crate) fn arena(&self) -> MutexGuard<'_, Option<Arena>> {
@@ -137,8 +157,12 @@ impl Table {
                     "SVM arena address taken in the server; offering another"
                 );
                 self.offer.store(offer as u64, Ordering::Relaxed);
+                self.unplaced.store(len, Ordering::Relaxed);
             }
-            Err(Refused::Bad(why)) => tracing::warn!(%why, "SVM arena refused"),
+            Err(Refused::Bad(why)) => {
+                tracing::warn!(%why, "SVM arena refused");
+                self.unplaced.store(0, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -307,10 +331,15 @@ pub fn h_clSVMAlloc(cx: &mut Ctx, r: &mut Reader<'_>) -> Result<Writer, Fail> {
         let mut arena = cx.shared.svm.arena();
         let Some(arena) = arena.as_mut() else {
             // The guest maps its arena again at the offered address and retries.
+            let offer = cx.shared.svm.offer_address();
+            tracing::info!(
+                offer = format_args!("{offer:#x}"),
+                "fine-grained clSVMAlloc before the SVM arena is placed"
+            );
             let mut w = Writer::default();
             w.i32(CL_MEM_OBJECT_ALLOCATION_FAILURE);
             w.u64(0);
-            w.u64(cx.shared.svm.offer.swap(0, Ordering::Relaxed));
+            w.u64(offer);
             return Ok(w);
         };
         let align = match alignment {

@@ -656,6 +656,47 @@ fn fine_grained_svm_is_the_same_memory_at_the_same_address() {
     assert_eq!(u.server.log_count("SVM arena refused", 1), 1);
 }
 
+/// An arena whose address is taken in the server: the server offers a free address in the
+/// shared window, and keeps offering it until an arena is placed; an arena sent at another
+/// address of the window (where the guest goes when the offer is taken on its side) is
+/// placed too, and allocations come out of it.
+#[test]
+fn a_taken_arena_address_gets_an_offer_and_any_free_address_is_placed() {
+    let mut t = tenant();
+    // Map the arena here at the start of one of the server's own mappings.
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", t.server.proc.pid())).unwrap();
+    let arena = hira_transport::ShmRegion::create("arena", ARENA_LEN).expect("memfd");
+    let taken = maps
+        .lines()
+        .filter_map(|l| usize::from_str_radix(l.split('-').next()?, 16).ok())
+        .find_map(|at| arena.map_again_at(at).ok())
+        .expect("a server address free here");
+    t.c.send_arena(taken.fd(), taken.as_ptr() as usize, ARENA_LEN);
+    let (ret, p, offer) = t.c.fine_alloc(t.context, 4096);
+    let (_, _, offered_again) = t.c.fine_alloc(t.context, 4096);
+    let logged = t
+        .server
+        .log_count("SVM arena address taken in the server", 1);
+    // The guest's fallback: not the offer, another random address of the window.
+    let elsewhere = arena.map_again_in_window().expect("a window address");
+    t.c.send_arena(elsewhere.fd(), elsewhere.as_ptr() as usize, ARENA_LEN);
+    let (placed_ret, placed, _) = t.c.fine_alloc(t.context, 4096);
+    let base = elsewhere.as_ptr() as u64;
+
+    assert_eq!((ret, p), (CL_MEM_OBJECT_ALLOCATION_FAILURE, 0));
+    assert!(
+        hira_transport::SHARED_WINDOW.contains(&(offer as usize)),
+        "offer {offer:#x}"
+    );
+    assert_eq!(
+        offered_again, offer,
+        "the offer stands until an arena is placed"
+    );
+    assert_eq!(logged, 1);
+    assert_eq!(placed_ret, 0);
+    assert!(placed >= base && placed < base + ARENA_LEN as u64);
+}
+
 const CL_MEM_COPY_HOST_PTR: u64 = 1 << 5;
 const CL_MEM_FLAGS: u64 = 0x1101;
 const CL_MAP_READ: u64 = 1;

@@ -18,6 +18,36 @@ use crate::{Error, Result};
 /// Largest region accepted: 1 TiB.
 pub const MAX_SHM_LEN: usize = 1 << 40;
 
+/// Where regions that two processes map at one address are placed (16 TiB to 80 TiB on a
+/// 47-bit user address space): far below where the kernel puts mappings (just under the
+/// stack, near 128 TiB) and far above the executable and its heap, so an address picked at
+/// random here is free in both processes almost surely, whatever their libraries and
+/// address-space randomisation.
+pub const SHARED_WINDOW: std::ops::Range<usize> = (16 << 40)..(80 << 40);
+
+/// Alignment of addresses picked in [`SHARED_WINDOW`].
+const WINDOW_ALIGN: usize = 1 << 30;
+
+/// A random address in [`SHARED_WINDOW`] where `len` bytes fit; `None` if they cannot.
+pub fn window_address(len: usize) -> Option<usize> {
+    let slots = (SHARED_WINDOW.end - SHARED_WINDOW.start).checked_sub(len)? / WINDOW_ALIGN;
+    let mut r = [0u8; 8];
+    // SAFETY: getrandom writes at most 8 bytes into `r`.
+    let got = unsafe { libc::getrandom(r.as_mut_ptr().cast(), r.len(), 0) };
+    let n = if got == 8 {
+        u64::from_le_bytes(r)
+    } else {
+        // No entropy source: the clock's low bits are random enough for a placement.
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    };
+    Some(SHARED_WINDOW.start + (n % (slots as u64 + 1)) as usize * WINDOW_ALIGN)
+}
+
+/// Tries at most this many random addresses before taking any address.
+const WINDOW_TRIES: usize = 16;
+
 /// A shared-memory region backed by a memfd (`memfd_create` with
 /// `MFD_CLOEXEC | MFD_ALLOW_SEALING`), mapped `MAP_SHARED` read/write.
 /// Unmapped on drop.
@@ -43,6 +73,44 @@ impl ShmRegion {
     /// Creates a memfd named `name` of `len` bytes, seals it against
     /// shrinking (so a receiving peer can trust its size) and maps it.
     pub fn create(name: &str, len: usize) -> Result<ShmRegion> {
+        Self::map(Self::new_file(name, len)?, len, true, None)
+    }
+
+    /// [`ShmRegion::create`], mapped at a random address of [`SHARED_WINDOW`] (at any address
+    /// if a few tries find none free): for a region a peer maps at the same address.
+    pub fn create_in_window(name: &str, len: usize) -> Result<ShmRegion> {
+        let fd = Self::new_file(name, len)?;
+        for _ in 0..WINDOW_TRIES {
+            let Some(at) = window_address(len) else { break };
+            match Self::map(fd.try_clone()?, len, true, Some(at)) {
+                Ok(r) => return Ok(r),
+                // Taken, or outside a smaller address space: try elsewhere.
+                Err(Error::Io(e))
+                    if e.kind() == io::ErrorKind::AddrInUse
+                        || e.raw_os_error() == Some(libc::ENOMEM) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Self::map(fd, len, true, None)
+    }
+
+    /// [`ShmRegion::map_again_at`] at a random address of [`SHARED_WINDOW`] (a few tries).
+    pub fn map_again_in_window(&self) -> Result<ShmRegion> {
+        let mut last = Error::Io(io::Error::from(io::ErrorKind::AddrInUse));
+        for _ in 0..WINDOW_TRIES {
+            let Some(at) = window_address(self.len) else {
+                break;
+            };
+            match self.map_again_at(at) {
+                Ok(r) => return Ok(r),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// A new memfd of `len` bytes, sealed against shrinking.
+    fn new_file(name: &str, len: usize) -> Result<OwnedFd> {
         check_len(len)?;
         let name = CString::new(name)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name contains NUL"))?;
@@ -64,7 +132,7 @@ impl ShmRegion {
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } != 0 {
             return Err(io::Error::last_os_error().into());
         }
-        Self::map(fd, len, true, None)
+        Ok(fd)
     }
 
     /// A second mapping of this region's file at exactly `addr` (`MAP_FIXED_NOREPLACE`:
@@ -372,6 +440,25 @@ mod tests {
         assert!(matches!(taken, Err(Error::Io(e)) if e.kind() == io::ErrorKind::AddrInUse));
         assert!(matches!(peer, Err(Error::Io(e)) if e.kind() == io::ErrorKind::AddrInUse));
         assert!(unaligned.is_err());
+    }
+
+    #[test]
+    fn regions_in_the_window_land_there_and_map_again_there() {
+        let region = ShmRegion::create_in_window("window", 1 << 30).unwrap();
+        let at = region.as_ptr() as usize;
+        let twin = region.map_again_in_window().unwrap();
+        region.write_at(1 << 29, b"window").unwrap();
+        let mut out = [0u8; 6];
+        twin.read_at(1 << 29, &mut out).unwrap();
+
+        assert!(SHARED_WINDOW.contains(&at), "{at:#x}");
+        assert_eq!(at % WINDOW_ALIGN, 0);
+        assert!(SHARED_WINDOW.contains(&(twin.as_ptr() as usize)));
+        assert_ne!(twin.as_ptr(), region.as_ptr());
+        assert_eq!(&out, b"window");
+        assert!(window_address(SHARED_WINDOW.end).is_none());
+        assert!((0..64).all(|_| window_address(1 << 34)
+            .is_some_and(|a| a >= SHARED_WINDOW.start && a + (1 << 34) <= SHARED_WINDOW.end)));
     }
 
     #[test]

@@ -88,6 +88,12 @@ impl Proc {
         }
     }
 
+    /// The server's process id.
+    #[allow(dead_code)]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A calls connection, as the router attaches it (1 MiB of shared memory).
     pub fn attach(&self) -> Client {
         self.attach_with(None)
