@@ -218,6 +218,10 @@ pub struct Summary {
     pub kernel_ms: [f64; 2],
     /// CPU the router used, in cores (on a CPU device it is taken from the kernels).
     pub router_cpu: f64,
+    /// With several rounds: the median over rounds of `progress` and of `work_per_s` against
+    /// the FIFO runs just before and just after (the `thr/FIFO` and `iter/FIFO` columns then
+    /// show these instead of the ratio of means).
+    pub bracketed: Option<[f64; 2]>,
 }
 
 fn spawn_tenant(o: &FairOpts, socket: Option<&Path>, iters: u32, seconds: f64) -> Result<Child> {
@@ -432,6 +436,7 @@ fn summarize(run: &Run, solo: Solo) -> Summary {
         kernel_load: f64::NAN,
         kernel_ms: [f64::NAN; 2],
         router_cpu: run.cpu.0,
+        bracketed: None,
     };
     let (Some(a), Some(b)) = (run.samples.first(), run.samples.last()) else {
         return sum;
@@ -473,9 +478,8 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
     };
     let base_progress = mean(|r| r.progress);
     let base_work = mean(|r| r.work_per_s);
-    let rel = |v: f64, base: Option<f64>| {
-        base.map_or("-".to_string(), |b| format!("{:.1}%", 100.0 * v / b))
-    };
+    let pct = |ratio: f64| format!("{:.1}%", 100.0 * ratio);
+    let rel = |v: f64, base: Option<f64>| base.map_or("-".to_string(), |b| pct(v / b));
     let mut s = format!(
         "{:<10} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>10} {:>7} {:>7} {:>9} {:>13} {:>7}\n",
         "policy",
@@ -505,8 +509,10 @@ pub fn table(rows: &[Summary], tenants: usize) -> String {
             100.0 * r.med1s,
             100.0 * r.max1s,
             100.0 * r.util,
-            rel(r.progress, base_progress),
-            rel(r.work_per_s, base_work),
+            r.bracketed
+                .map_or_else(|| rel(r.progress, base_progress), |b| pct(b[0])),
+            r.bracketed
+                .map_or_else(|| rel(r.work_per_s, base_work), |b| pct(b[1])),
             r.work_per_s,
             100.0 * r.kernel_load,
             100.0 * r.short_share,
@@ -621,16 +627,68 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
             }
         }
     }
+    let mut per_round = String::new();
     if o.rounds > 1 {
+        // A closing FIFO run: every policy run then has FIFO just before and just after it,
+        // and its throughput is taken against their mean, which cancels a machine whose
+        // speed drifts steadily through the round (FIFO alone moved by 12% within a minute).
+        eprintln!(
+            "running fifo with {} tenants for {} s (closing) ...",
+            o.tenants, o.seconds
+        );
+        let run = run_policy(o, "fifo", short, &vec![1; o.tenants])?;
+        pooled[0].push(summarize(&run, solo));
         rows = pooled.iter().map(|runs| pool(runs)).collect();
+        let fifo = &pooled[0];
+        for (k, runs) in pooled.iter().enumerate().skip(1) {
+            let ratios = |f: fn(&Summary) -> f64| -> Vec<f64> {
+                runs.iter()
+                    .zip(fifo.windows(2))
+                    .map(|(r, w)| 2.0 * f(r) / (f(&w[0]) + f(&w[1])))
+                    .collect()
+            };
+            let thr = ratios(|r| r.progress);
+            let iter = ratios(|r| r.work_per_s);
+            rows[k].bracketed = Some([median(&thr), median(&iter)]);
+            let _ = writeln!(
+                per_round,
+                "thr/FIFO per round, {}: {} (median {:.1}%; ratio of the means {:.1}%)",
+                policies[k],
+                thr.iter()
+                    .map(|x| format!("{:.1}%", 100.0 * x))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                100.0 * median(&thr),
+                100.0 * rows[k].progress / rows[0].progress
+            );
+        }
     }
     report += &table(&rows, o.tenants);
     if o.rounds > 1 {
         let _ = writeln!(
             report,
-            "({} rounds of FIFO and each policy in turn; medians are the median of the \
-             rounds' medians, maxima the largest, rates the mean)",
+            "({} rounds of FIFO and each policy in turn, and a closing FIFO; medians are the \
+             median of the rounds' medians, maxima the largest, rates the mean; thr/FIFO and \
+             iter/FIFO the median over rounds of each run against the FIFO runs around it)",
             o.rounds
+        );
+        report += &per_round;
+    }
+    // The same tenants under FIFO and each policy in turn, switched live.
+    let pairs = ((o.seconds * o.rounds as f64) / 4.0).round().max(3.0) as usize;
+    for p in policies.iter().filter(|p| *p != "fifo") {
+        eprintln!("alternating fifo and {p} live, {pairs} pairs of 2 s slices ...");
+        let ratios = alternating(o, p, short, solo, pairs)?;
+        let _ = writeln!(
+            report,
+            "throughput vs FIFO, same tenants, policy switched live every 2 s, {p}: median \
+             {:.1}% ({})",
+            100.0 * median(&ratios),
+            ratios
+                .iter()
+                .map(|x| format!("{:.1}%", 100.0 * x))
+                .collect::<Vec<_>>()
+                .join(" ")
         );
     }
     if let [only] = o.policies.as_slice() {
@@ -639,6 +697,83 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
         }
     }
     Ok(report)
+}
+
+/// Throughput of `policy` against FIFO on the same tenants: one set of tenant processes, the
+/// router's policy switched live between FIFO and `policy` every [`SLICE`], FIFO first and
+/// last. Each `policy` slice is taken against the FIFO slices just before and after it (the
+/// first [`SETTLE`] of every slice is not counted: the new scheduler takes over). Separate
+/// runs with fresh tenants compare minutes apart on a machine whose speed moves by 10% and
+/// more within a minute; adjacent slices of the same tenants do not. Returns the per-pair
+/// ratios of normalized progress.
+fn alternating(
+    o: &FairOpts,
+    policy: &str,
+    short: u32,
+    solo: Solo,
+    pairs: usize,
+) -> Result<Vec<f64>> {
+    const SLICE: Duration = Duration::from_millis(2000);
+    const SETTLE: Duration = Duration::from_millis(500);
+    let handle = router(o, "fifo", &format!("alt-{policy}"))?;
+    let n = o.tenants;
+    let long: Vec<bool> = (0..n).map(|i| i % 2 == 1).collect();
+    let slices = 2 * pairs + 1;
+    let seconds = (SLICE.as_secs_f64() * slices as f64) + 60.0;
+    let mut kids = Vec::new();
+    for &l in &long {
+        let iters = if l { short * LONG_FACTOR } else { short };
+        kids.push(spawn_tenant(o, Some(handle.socket()), iters, seconds)?);
+    }
+    let pids: Vec<i32> = kids.iter().map(|c| c.id() as i32).collect();
+    let kernels = || -> Vec<u64> {
+        let stats = handle.stats();
+        pids.iter()
+            .map(|&p| {
+                stats
+                    .iter()
+                    .rev()
+                    .find(|t| t.pid == p && t.alive)
+                    .map_or(0, |t| t.sched.kernels)
+            })
+            .collect()
+    };
+    let result = (|| {
+        let start = Instant::now();
+        while kernels().contains(&0) {
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("tenants did not start within 60 s");
+            }
+            std::thread::sleep(SAMPLE);
+        }
+        let mut progress = Vec::with_capacity(slices);
+        for slice in 0..slices {
+            handle.set_policy(if slice % 2 == 0 { "fifo" } else { policy })?;
+            std::thread::sleep(SETTLE);
+            let (a, from) = (kernels(), Instant::now());
+            std::thread::sleep(SLICE - SETTLE);
+            let (b, dt) = (kernels(), from.elapsed().as_secs_f64());
+            progress.push(
+                (0..n)
+                    .map(|i| {
+                        let rate = (b[i] - a[i]) as f64 / dt;
+                        rate / if long[i] { solo.long } else { solo.short }
+                    })
+                    .sum::<f64>(),
+            );
+        }
+        Ok((1..slices)
+            .step_by(2)
+            .map(|k| 2.0 * progress[k] / (progress[k - 1] + progress[k + 1]))
+            .collect())
+    })();
+    for mut k in kids {
+        let _ = k.kill();
+        let _ = k.wait();
+    }
+    handle.stop();
+    let _ = handle.wait();
+    result
 }
 
 /// One summary of several runs of one policy.
@@ -660,6 +795,7 @@ fn pool(runs: &[Summary]) -> Summary {
         kernel_load: mean(|r| r.kernel_load),
         kernel_ms: [mean(|r| r.kernel_ms[0]), mean(|r| r.kernel_ms[1])],
         router_cpu: mean(|r| r.router_cpu),
+        bracketed: None,
     }
 }
 

@@ -565,6 +565,17 @@ impl State {
         }
     }
 
+    /// The drained owner did not come back within the anticipation: the scheduler hears of
+    /// its last completion as of when it happened. The anticipation was the wait after it:
+    /// BAND's own short wait after a completion, counted from the anticipation's end, would
+    /// leave the device idle twice as long for a tenant that is not coming.
+    fn flush_expired(&mut self, now: Nanos) {
+        if let Some((t, ns)) = self.deferred.take() {
+            let at = self.tenants.get(&t).map_or(now, |s| s.last_done.min(now));
+            self.sched.complete(t, ns, at);
+        }
+    }
+
     fn cancel(&mut self, t: TenantId, now: Nanos) {
         let Some(slot) = self.tenants.get_mut(&t) else {
             return;
@@ -770,7 +781,7 @@ impl State {
                     self.next_wake = Some(until);
                     break;
                 }
-                self.flush(now);
+                self.flush_expired(now);
                 self.owner = None;
             }
             if self.next.is_some() || self.inflight >= self.window() {
@@ -1122,6 +1133,32 @@ mod tests {
 
         assert_eq!((waited, wake), (0, Some(21 * MS + 500 * US)));
         assert_eq!(short, 1);
+    }
+
+    #[test]
+    fn band_does_not_wait_again_after_the_anticipation() {
+        let mut st = state(PolicyKind::Band, 4, 2);
+        submit(&mut st, 2, 1, 0);
+        submit(&mut st, 1, 1, 0);
+        st.complete(2, MS, MS);
+        st.pump(MS + 500 * US);
+        take_all(&mut st, 1, MS + 500 * US);
+        st.complete(1, 20 * MS, 21 * MS);
+        // Tenant 1 is over its bandwidth, tenant 2 under it; 2 drains and does not come back.
+        submit(&mut st, 2, 1, 21 * MS);
+        let waiting = submit(&mut st, 1, 1, 21 * MS);
+        st.complete(2, MS, 22 * MS);
+        let anticipated = st.next_wake;
+
+        st.pump(22 * MS + 500 * US);
+
+        assert_eq!((waiting, anticipated), (0, Some(22 * MS + 500 * US)));
+        assert_eq!(
+            take_all(&mut st, 1, 22 * MS + 500 * US),
+            1,
+            "no second wait"
+        );
+        assert_eq!(st.owner, Some(1));
     }
 
     #[test]
