@@ -1117,8 +1117,9 @@ mod tests {
         assert_eq!(take_all(&mut st, 1, 100 * MS), 1);
     }
 
-    #[test]
-    fn band_waits_briefly_on_a_free_device() {
+    /// BAND at 21 ms, device free: tenant 2 ran 1 ms, tenant 1 then 20 ms (over its
+    /// bandwidth; tenant 2 under it).
+    fn band_after_a_long_kernel() -> State {
         let mut st = state(PolicyKind::Band, 4, 2);
         submit(&mut st, 2, 1, 0);
         submit(&mut st, 1, 1, 0);
@@ -1126,6 +1127,12 @@ mod tests {
         st.pump(MS + 500 * US);
         take_all(&mut st, 1, MS + 500 * US);
         st.complete(1, 20 * MS, 21 * MS);
+        st
+    }
+
+    #[test]
+    fn band_waits_briefly_on_a_free_device() {
+        let mut st = band_after_a_long_kernel();
 
         let waited = submit(&mut st, 1, 1, 21 * MS);
         let wake = st.next_wake;
@@ -1137,14 +1144,8 @@ mod tests {
 
     #[test]
     fn band_does_not_wait_again_after_the_anticipation() {
-        let mut st = state(PolicyKind::Band, 4, 2);
-        submit(&mut st, 2, 1, 0);
-        submit(&mut st, 1, 1, 0);
-        st.complete(2, MS, MS);
-        st.pump(MS + 500 * US);
-        take_all(&mut st, 1, MS + 500 * US);
-        st.complete(1, 20 * MS, 21 * MS);
-        // Tenant 1 is over its bandwidth, tenant 2 under it; 2 drains and does not come back.
+        let mut st = band_after_a_long_kernel();
+        // Tenant 2 drains and does not come back.
         submit(&mut st, 2, 1, 21 * MS);
         let waiting = submit(&mut st, 1, 1, 21 * MS);
         st.complete(2, MS, 22 * MS);
