@@ -178,6 +178,10 @@ pub struct Connection {
     direct: Option<FrameReader>,
     /// The event board went to the server on this connection.
     board_sent: bool,
+    /// Other connections' asynchronous requests as of this connection's last fence, and how
+    /// far it fenced on each (`fence`).
+    others_seen: u64,
+    fenced: HashMap<u64, u64>,
 }
 
 /// Whether this connection asks for a direct reply socket (`HIRA_DIRECT=0`: no, every reply
@@ -242,10 +246,13 @@ impl Connection {
             recent_wait: std::time::Duration::ZERO,
             direct: None,
             board_sent: false,
+            others_seen: 0,
+            fenced: HashMap::new(),
         };
         let (h, payload) = c.read_frame()?;
         let mut r = Reader::new(&payload);
-        let (_tenant, _conn, status) = (r.u64(), r.u64(), r.i32().unwrap_or(CL_OUT_OF_RESOURCES));
+        let (_tenant, conn, status) = (r.u64(), r.u64(), r.i32().unwrap_or(CL_OUT_OF_RESOURCES));
+        lock(&c.out).conn_id = conn.unwrap_or(0);
         if h.opcode != control::WELCOME || status != 0 {
             return Err(if status != 0 {
                 status
@@ -429,6 +436,57 @@ impl Connection {
     }
 }
 
+impl Connection {
+    /// Before a call that waits, once the other threads' batches are sent: if other
+    /// connections sent asynchronous requests since this one last looked, a FENCE naming how
+    /// far each got goes first, and the server runs the call only after they ran (frames of
+    /// different connections are run by different server threads). One atomic load when no
+    /// other thread sent anything.
+    fn fence(&mut self) {
+        let own = lock(&self.out).sent_frames;
+        let others = ASYNC_SENT.load(Ordering::SeqCst).saturating_sub(own);
+        if others == self.others_seen {
+            return;
+        }
+        self.others_seen = others;
+        let all: Vec<_> = OUTBOXES
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .filter(|o| !Arc::ptr_eq(o, &self.out))
+            .collect();
+        let mut w = Writer::with_header_room(HEADER_LEN);
+        for o in &all {
+            let (conn, sent) = {
+                let o = lock(o);
+                (o.conn_id, o.sent_async)
+            };
+            if conn == 0 {
+                continue;
+            }
+            let seen = self.fenced.entry(conn).or_insert(0);
+            if sent > *seen {
+                *seen = sent;
+                w.u64(conn);
+                w.u64(sent);
+            }
+        }
+        if w.buf.len() > HEADER_LEN {
+            self.seq += 1;
+            finish_frame(
+                &mut w.buf,
+                Kind::Control,
+                control::FENCE,
+                self.seq,
+                flags::ASYNC,
+                0,
+            );
+            self.push(&w.buf);
+        }
+    }
+}
+
 /// Sends this thread's batched asynchronous calls now, and every other thread's first.
 pub fn flush_batch() -> Result<(), i32> {
     with_conn(|c| {
@@ -451,12 +509,22 @@ impl Drop for Connection {
 pub struct Outbox {
     sock: Conn,
     batch: Vec<u8>,
+    /// The connection's id, as WELCOME named it (0 until then).
+    conn_id: u64,
+    /// Sequence number of the last asynchronous request batched, and of the last one sent.
+    async_seq: u64,
+    sent_async: u64,
+    /// Asynchronous requests in the batch, and sent so far (its part of `ASYNC_SENT`).
+    batched_async: u64,
+    sent_frames: u64,
 }
 
 /// Every connection's outbox (dead ones are dropped as they are found).
 static OUTBOXES: Mutex<Vec<std::sync::Weak<Mutex<Outbox>>>> = Mutex::new(Vec::new());
 /// Outboxes holding frames.
 static PENDING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Asynchronous requests sent by every connection of the process, ever.
+static ASYNC_SENT: AtomicU64 = AtomicU64::new(0);
 
 fn lock(o: &Mutex<Outbox>) -> std::sync::MutexGuard<'_, Outbox> {
     o.lock().unwrap_or_else(|e| e.into_inner())
@@ -467,6 +535,11 @@ impl Outbox {
         let o = Arc::new(Mutex::new(Outbox {
             sock,
             batch: Vec::new(),
+            conn_id: 0,
+            async_seq: 0,
+            sent_async: 0,
+            batched_async: 0,
+            sent_frames: 0,
         }));
         let mut all = OUTBOXES.lock().unwrap_or_else(|e| e.into_inner());
         all.retain(|w| w.strong_count() > 0);
@@ -478,6 +551,12 @@ impl Outbox {
         if self.batch.is_empty() && !frame.is_empty() {
             PENDING.fetch_add(1, Ordering::SeqCst);
         }
+        if let Ok(h) = Header::parse(frame) {
+            if h.kind == Kind::Request && h.flags & flags::ASYNC != 0 {
+                self.async_seq = h.seq;
+                self.batched_async += 1;
+            }
+        }
         self.batch.extend_from_slice(frame);
         self.batch.len()
     }
@@ -488,6 +567,10 @@ impl Outbox {
         }
         let r = self.sock.send(&self.batch, &[]);
         self.batch.clear();
+        self.sent_async = self.async_seq;
+        let n = std::mem::take(&mut self.batched_async);
+        self.sent_frames += n;
+        ASYNC_SENT.fetch_add(n, Ordering::SeqCst);
         PENDING.fetch_sub(1, Ordering::SeqCst);
         r.map_err(|e| log_err("send", e))
     }
@@ -938,10 +1021,16 @@ impl Call {
     /// Send (with the pending batch) without waiting: several requests of one thread may be
     /// outstanding (pipelined bulk transfers); their replies come back in order.
     pub fn send(mut self) -> Result<Sent, i32> {
+        // Other threads' commands first (and a fence on them, which takes the next sequence
+        // number: before this frame gets its own).
+        with_conn(|c| {
+            flush_others(&c.out);
+            c.fence();
+            Ok(())
+        })?;
         self.frame(0)?;
         let buf = std::mem::take(&mut self.w.buf);
         let seq = with_conn(|c| {
-            flush_others(&c.out);
             c.push(&buf);
             c.flush()?;
             c.outstanding += 1;

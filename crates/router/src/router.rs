@@ -1480,7 +1480,11 @@ fn refuse(h: &Header) -> Option<String> {
         (Kind::Request, _) => None,
         (
             Kind::Control,
-            control::PING | control::SHM_GROW | control::SVM_ARENA | control::EVENT_BOARD,
+            control::PING
+            | control::SHM_GROW
+            | control::SVM_ARENA
+            | control::EVENT_BOARD
+            | control::FENCE,
         ) => None,
         (kind, op) => Some(format!(
             "{kind:?} frame with opcode {op} not allowed from a guest"

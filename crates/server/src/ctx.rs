@@ -116,6 +116,8 @@ pub struct Shared {
     /// Where the completions of launches whose events the guest named are posted for it
     /// (`control::EVENT_BOARD`): its waits for them need no round trip.
     pub(crate) board: std::sync::OnceLock<hira_transport::EventBoard>,
+    /// How far each connection has run its frames (`control::FENCE`).
+    pub(crate) progress: crate::fence::Progress,
 }
 
 impl Shared {
@@ -140,6 +142,7 @@ impl Shared {
             board: std::sync::OnceLock::new(),
             bound: std::sync::Condvar::new(),
             bound_waiters: std::sync::atomic::AtomicUsize::new(0),
+            progress: crate::fence::Progress::default(),
         })
     }
 

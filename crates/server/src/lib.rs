@@ -10,6 +10,7 @@ mod ctx;
 mod custom;
 mod direct;
 mod expr;
+mod fence;
 mod serve;
 mod svm;
 mod swap;

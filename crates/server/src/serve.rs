@@ -126,12 +126,15 @@ pub fn serve_control(control_conn: Conn) -> anyhow::Result<()> {
             continue;
         }
         let shared = shared.clone();
+        let progress = shared.progress.register(conn_id);
         std::thread::Builder::new()
             .name(format!("shadow-{conn_id}"))
             .spawn(move || {
-                if let Err(e) = shadow(conn, direct, Ctx::new(shared, shm)) {
+                let s = Arc::clone(&shared);
+                if let Err(e) = shadow(conn, direct, Ctx::new(shared, shm), &progress) {
                     tracing::warn!(conn_id, "connection ended: {e:#}");
                 }
+                s.progress.unregister(conn_id);
             })?;
     }
     // A short-lived tenant may end before the next periodic sample: the router learns of
@@ -218,8 +221,32 @@ impl Drop for DeferredCount<'_> {
     }
 }
 
+/// Publishes, when dropped, that the connection has run its frames up to `.2`.
+struct Ran<'a>(&'a Shared, &'a std::sync::atomic::AtomicU64, u64);
+
+impl Drop for Ran<'_> {
+    fn drop(&mut self) {
+        self.0.progress.advance(self.1, self.2);
+    }
+}
+
+/// `control::FENCE`: waits until the connections named have run their frames that far.
+fn fence(shared: &Shared, payload: &[u8]) {
+    let mut r = Reader::new(payload);
+    while let (Ok(conn), Ok(seq)) = (r.u64(), r.u64()) {
+        if !shared.progress.wait(conn, seq, crate::fence::FENCE_WAIT) {
+            tracing::info!(conn, seq, "fence not reached in time; the call runs anyway");
+        }
+    }
+}
+
 /// A shadow thread: run this connection's requests in order.
-fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
+fn shadow(
+    conn: Conn,
+    direct: Option<Conn>,
+    mut cx: Ctx,
+    progress: &std::sync::atomic::AtomicU64,
+) -> anyhow::Result<()> {
     let out = conn.try_clone()?;
     let mut reader = FrameReader::new(conn);
     let mut deferred: i32 = 0;
@@ -233,7 +260,18 @@ fn shadow(conn: Conn, direct: Option<Conn>, mut cx: Ctx) -> anyhow::Result<()> {
         let h = Header::parse(frame)?;
         let payload = &frame[HEADER_LEN..];
         let is_async = h.flags & flags::ASYNC != 0;
+        if !is_async {
+            // Everything before this call has run: a fence of another connection need not
+            // wait for the call itself (it may block for long).
+            shared.progress.advance(progress, h.seq.saturating_sub(1));
+        }
+        // Published once the frame has run, however this iteration ends.
+        let _ran = Ran(&shared, progress, h.seq);
         let result = match (h.kind, h.opcode) {
+            (Kind::Control, control::FENCE) => {
+                fence(&cx.shared, payload);
+                continue;
+            }
             (Kind::Request, op) => {
                 cx.async_frame = is_async;
                 let res = crate::swap::dispatch(&mut cx, op, payload);

@@ -116,6 +116,15 @@ pub mod control {
     /// payload, no reply.
     pub const EVENT_BOARD: u16 = 16;
 
+    /// Guest → server (through the router), before a call that waits, when other threads
+    /// of the application sent commands on their own connections: the server runs nothing
+    /// more of this connection until each named connection has run its frames up to the
+    /// sequence number given (or is gone, or 5 s passed). Natively a command one thread
+    /// enqueued is in the queue for every thread; across connections served by different
+    /// server threads this keeps it so. Payload: pairs of connection id u64 (as WELCOME
+    /// named it) and frame sequence number u64. No reply.
+    pub const FENCE: u16 = 17;
+
     /// Connection roles carried by HELLO.
     pub const ROLE_CALLS: u32 = 1;
     /// The connection on which the server delivers callbacks to the guest.

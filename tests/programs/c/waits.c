@@ -2,8 +2,10 @@
  * waits.c: waiting for kernel launches' events, the way applications do — a loop keeping a
  * few launches queued and waiting for the oldest, one wait for many events, a kernel longer
  * than hira's wait on its event board (2 ms), launches gated by a user event that fails,
- * events of launches made by another thread, and waits mixing a launch's event with a
- * transfer's. Prints only what must be the same natively and under hira.
+ * events of launches made by another thread, launches without events by another thread
+ * followed by clFinish and a read here (20 rounds, the other thread's commands flushed and
+ * not), and waits mixing a launch's event with a transfer's. Prints only what must be the
+ * same natively and under hira.
  *
  * Build: cc -O2 waits.c -lOpenCL -lpthread
  */
@@ -109,6 +111,29 @@ static void *launch_and_hold(void *arg) {
     cl_int err;
     cl_kernel k = clCreateKernel(prog, "advance", &err); CHECKE(err);
     for (int i = 0; i < 4; i++) h->evs[i] = step(h->q, k, h->m, (cl_uint)(i + 7), 0, NULL);
+    pthread_mutex_lock(&h->mu);
+    h->stage = 1;
+    pthread_cond_broadcast(&h->cv);
+    while (h->stage != 2) pthread_cond_wait(&h->cv, &h->mu);
+    pthread_mutex_unlock(&h->mu);
+    clReleaseKernel(k);
+    return NULL;
+}
+
+/* Launches without events, then stays until told: another thread's clFinish on the queue
+ * must find them there (under hira they travel on this thread's connection). */
+static void *launch_quietly_and_hold(void *arg) {
+    struct holder *h = arg;
+    cl_int err;
+    cl_kernel k = clCreateKernel(prog, "advance", &err); CHECKE(err);
+    size_t g = N;
+    for (cl_uint i = 0; i < 8; i++) {
+        cl_uint v = i + 3;
+        CHECK(clSetKernelArg(k, 0, sizeof h->m, &h->m));
+        CHECK(clSetKernelArg(k, 1, sizeof v, &v));
+        CHECK(clEnqueueNDRangeKernel(h->q, k, 1, NULL, &g, NULL, 0, NULL, NULL));
+    }
+    if (h->stage == -1) CHECK(clFlush(h->q));
     pthread_mutex_lock(&h->mu);
     h->stage = 1;
     pthread_cond_broadcast(&h->cv);
@@ -274,6 +299,39 @@ int main(void) {
         for (int i = 0; i < 4; i++) clReleaseEvent(h.evs[i]);
         clReleaseMemObject(h.m);
         clReleaseCommandQueue(h.q);
+    }
+
+    /* ---- launches without events by a live thread, then clFinish and a read here: the
+     * queue holds them for every thread (flushed by their thread, and not) */
+    for (int flushed = 0; flushed < 2; flushed++) {
+        uint64_t sums[20];
+        for (int round = 0; round < 20; round++) {
+            struct holder h;
+            h.q = clCreateCommandQueueWithProperties(ctx, dev, NULL, &err); CHECKE(err);
+            h.m = zeroed(h.q);
+            pthread_mutex_init(&h.mu, NULL);
+            pthread_cond_init(&h.cv, NULL);
+            h.stage = flushed ? -1 : 0;
+            pthread_t th;
+            pthread_create(&th, NULL, launch_quietly_and_hold, &h);
+            pthread_mutex_lock(&h.mu);
+            while (h.stage != 1) pthread_cond_wait(&h.cv, &h.mu);
+            pthread_mutex_unlock(&h.mu);
+            CHECK(clFinish(h.q));
+            sums[round] = checksum(h.q, h.m);
+            pthread_mutex_lock(&h.mu);
+            h.stage = 2;
+            pthread_cond_broadcast(&h.cv);
+            pthread_mutex_unlock(&h.mu);
+            pthread_join(th, NULL);
+            clReleaseMemObject(h.m);
+            clReleaseCommandQueue(h.q);
+        }
+        int same = 0;
+        for (int round = 0; round < 20; round++) same += sums[round] == sums[0];
+        printf("another thread's launches without events (%s), clFinish here: checksum %016llx "
+               "in %d of 20 rounds\n",
+               flushed ? "flushed" : "not flushed", (unsigned long long)sums[0], same);
     }
 
     /* ---- a launch's event with a transfer's, and a launch waiting for a transfer */

@@ -96,7 +96,13 @@ impl Proc {
 
     /// A calls connection, as the router attaches it (1 MiB of shared memory).
     pub fn attach(&self) -> Client {
-        self.attach_with(None)
+        self.attach_with(1, None)
+    }
+
+    /// A calls connection the router numbered `conn_id`.
+    #[allow(dead_code)]
+    pub fn attach_as(&self, conn_id: u64) -> Client {
+        self.attach_with(conn_id, None)
     }
 
     /// The callback connection (`control::ROLE_CALLBACKS`, no shared memory), as the router
@@ -118,15 +124,15 @@ impl Proc {
     /// returned reader.
     pub fn attach_direct(&self) -> (Client, FrameReader) {
         let (ours, theirs) = Conn::pair().expect("socketpair");
-        let c = self.attach_with(Some(theirs));
+        let c = self.attach_with(1, Some(theirs));
         (c, FrameReader::new(ours))
     }
 
-    fn attach_with(&self, direct: Option<Conn>) -> Client {
+    fn attach_with(&self, conn_id: u64, direct: Option<Conn>) -> Client {
         let (ours, theirs) = Conn::pair().expect("socketpair");
         let shm = ShmRegion::create("server-test", 1 << 20).expect("shm");
         let mut w = Writer::with_header_room(HEADER_LEN);
-        w.u64(1);
+        w.u64(conn_id);
         w.u32(control::ROLE_CALLS);
         w.u64(shm.len() as u64);
         if direct.is_some() {
