@@ -9,8 +9,8 @@ mod common;
 use common::{Client, Proc};
 use hira_opencl::*;
 use hira_transport::board::Seen;
-use hira_transport::{EventBoard, FrameReader};
-use hira_wire::{control, flags, Blob, Header, Kind, Reader, Writer, HEADER_LEN, MAX_FRAME};
+use hira_transport::EventBoard;
+use hira_wire::{control, flags, Blob, Header, Kind, Reader, Writer};
 use std::time::{Duration, Instant};
 
 const ENTRY: &str = "server_process_entry";
@@ -24,12 +24,7 @@ fn server_process_entry() {
 }
 
 fn spawn() -> Proc {
-    let proc = Proc::spawn(ENTRY, ENTRY_ENV);
-    let mut reader = FrameReader::new(proc.ctl.try_clone().expect("clone"));
-    std::thread::spawn(move || {
-        while let Ok(Some(_)) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {}
-    });
-    proc
+    Proc::spawn_draining(ENTRY, ENTRY_ENV)
 }
 
 fn send_board(c: &mut Client, board: &EventBoard) {

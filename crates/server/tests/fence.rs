@@ -6,8 +6,7 @@
 mod common;
 
 use common::{Client, Proc};
-use hira_transport::FrameReader;
-use hira_wire::{control, flags, Header, Kind, Writer, HEADER_LEN, MAX_FRAME};
+use hira_wire::{control, flags, Header, Kind, Writer};
 use std::time::{Duration, Instant};
 
 const ENTRY: &str = "server_process_entry";
@@ -20,12 +19,7 @@ fn server_process_entry() {
 }
 
 fn spawn() -> Proc {
-    let proc = Proc::spawn(ENTRY, ENTRY_ENV);
-    let mut reader = FrameReader::new(proc.ctl.try_clone().expect("clone"));
-    std::thread::spawn(move || {
-        while let Ok(Some(_)) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {}
-    });
-    proc
+    Proc::spawn_draining(ENTRY, ENTRY_ENV)
 }
 
 /// A control frame (asynchronous: no reply) or, with `fl` 0, a PING that is answered.
@@ -49,17 +43,8 @@ fn fence(c: &mut Client, conn: u64, seq: u64) {
 fn ping(c: &mut Client) -> Duration {
     let start = Instant::now();
     control(c, control::PING, &[], 0);
-    loop {
-        let f = c
-            .reader
-            .read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len)
-            .expect("reply")
-            .expect("server closed the connection");
-        let h = Header::parse(f).expect("header");
-        if h.kind == Kind::Reply && h.seq == c.seq {
-            return start.elapsed();
-        }
-    }
+    c.reply();
+    start.elapsed()
 }
 
 #[test]

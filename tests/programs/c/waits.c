@@ -106,16 +106,35 @@ struct holder {
     int stage;
 };
 
-static void *launch_and_hold(void *arg) {
-    struct holder *h = arg;
-    cl_int err;
-    cl_kernel k = clCreateKernel(prog, "advance", &err); CHECKE(err);
-    for (int i = 0; i < 4; i++) h->evs[i] = step(h->q, k, h->m, (cl_uint)(i + 7), 0, NULL);
+/* The holder's side: it has launched; it stays until let go. */
+static void hold(struct holder *h) {
     pthread_mutex_lock(&h->mu);
     h->stage = 1;
     pthread_cond_broadcast(&h->cv);
     while (h->stage != 2) pthread_cond_wait(&h->cv, &h->mu);
     pthread_mutex_unlock(&h->mu);
+}
+
+/* The other side: until the holder has launched, then after it is let go. */
+static void until_held(struct holder *h) {
+    pthread_mutex_lock(&h->mu);
+    while (h->stage != 1) pthread_cond_wait(&h->cv, &h->mu);
+    pthread_mutex_unlock(&h->mu);
+}
+
+static void let_go(struct holder *h) {
+    pthread_mutex_lock(&h->mu);
+    h->stage = 2;
+    pthread_cond_broadcast(&h->cv);
+    pthread_mutex_unlock(&h->mu);
+}
+
+static void *launch_and_hold(void *arg) {
+    struct holder *h = arg;
+    cl_int err;
+    cl_kernel k = clCreateKernel(prog, "advance", &err); CHECKE(err);
+    for (int i = 0; i < 4; i++) h->evs[i] = step(h->q, k, h->m, (cl_uint)(i + 7), 0, NULL);
+    hold(h);
     clReleaseKernel(k);
     return NULL;
 }
@@ -134,11 +153,7 @@ static void *launch_quietly_and_hold(void *arg) {
         CHECK(clEnqueueNDRangeKernel(h->q, k, 1, NULL, &g, NULL, 0, NULL, NULL));
     }
     if (h->stage == -1) CHECK(clFlush(h->q));
-    pthread_mutex_lock(&h->mu);
-    h->stage = 1;
-    pthread_cond_broadcast(&h->cv);
-    while (h->stage != 2) pthread_cond_wait(&h->cv, &h->mu);
-    pthread_mutex_unlock(&h->mu);
+    hold(h);
     clReleaseKernel(k);
     return NULL;
 }
@@ -284,16 +299,11 @@ int main(void) {
         h.stage = 0;
         pthread_t th;
         pthread_create(&th, NULL, launch_and_hold, &h);
-        pthread_mutex_lock(&h.mu);
-        while (h.stage != 1) pthread_cond_wait(&h.cv, &h.mu);
-        pthread_mutex_unlock(&h.mu);
+        until_held(&h);
         cl_int w = clWaitForEvents(4, h.evs);
         CHECK(clGetEventInfo(h.evs[3], CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL));
         printf("unflushed launches of a live thread: wait=%d status=%d\n", w, st);
-        pthread_mutex_lock(&h.mu);
-        h.stage = 2;
-        pthread_cond_broadcast(&h.cv);
-        pthread_mutex_unlock(&h.mu);
+        let_go(&h);
         pthread_join(th, NULL);
         printf("their checksum %016llx\n", (unsigned long long)checksum(h.q, h.m));
         for (int i = 0; i < 4; i++) clReleaseEvent(h.evs[i]);
@@ -314,15 +324,10 @@ int main(void) {
             h.stage = flushed ? -1 : 0;
             pthread_t th;
             pthread_create(&th, NULL, launch_quietly_and_hold, &h);
-            pthread_mutex_lock(&h.mu);
-            while (h.stage != 1) pthread_cond_wait(&h.cv, &h.mu);
-            pthread_mutex_unlock(&h.mu);
+            until_held(&h);
             CHECK(clFinish(h.q));
             sums[round] = checksum(h.q, h.m);
-            pthread_mutex_lock(&h.mu);
-            h.stage = 2;
-            pthread_cond_broadcast(&h.cv);
-            pthread_mutex_unlock(&h.mu);
+            let_go(&h);
             pthread_join(th, NULL);
             clReleaseMemObject(h.m);
             clReleaseCommandQueue(h.q);

@@ -94,6 +94,17 @@ impl Proc {
         self.child.id()
     }
 
+    /// [`Proc::spawn`], its control frames (USAGE, DONE) read and dropped.
+    #[allow(dead_code)]
+    pub fn spawn_draining(entry: &str, env: &str) -> Proc {
+        let proc = Proc::spawn(entry, env);
+        let mut reader = FrameReader::new(proc.ctl.try_clone().expect("clone"));
+        std::thread::spawn(move || {
+            while let Ok(Some(_)) = reader.read_frame(HEADER_LEN, MAX_FRAME, Header::frame_len) {}
+        });
+        proc
+    }
+
     /// A calls connection, as the router attaches it (1 MiB of shared memory).
     pub fn attach(&self) -> Client {
         self.attach_with(1, None)
@@ -226,6 +237,11 @@ impl Client {
     /// A synchronous call: its reply's header and whole payload.
     pub fn call_raw(&mut self, op: u16, w: &Writer) -> (Header, Vec<u8>) {
         self.send(op, &w.buf, 0);
+        self.reply()
+    }
+
+    /// The reply to the last frame sent (other frames before it are skipped).
+    pub fn reply(&mut self) -> (Header, Vec<u8>) {
         loop {
             let f = self
                 .reader
