@@ -4,8 +4,10 @@ use crate::{Error, Result};
 
 /// "HIRA" in little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"HIRA");
-/// Current wire version; a peer speaking another is refused.
-pub const VERSION: u16 = 1;
+/// Current wire version; a peer speaking another is refused (so a guest library and a router
+/// from different builds fail at once, with this error, rather than at their first frame the
+/// other does not know). 2: `control::FENCE`.
+pub const VERSION: u16 = 2;
 /// Bytes in a header.
 pub const HEADER_LEN: usize = 40;
 /// Largest frame accepted (header included). Bulk data travels through shared memory, so
