@@ -30,6 +30,10 @@ const MADD: &[u8] = b"__kernel void madd(__global float *a, int iters) {\n\
 const GLOBAL: usize = 256;
 /// How often the router is sampled.
 const SAMPLE: Duration = Duration::from_millis(50);
+/// Live alternation: how long each policy runs before the router switches to the other, and
+/// how much of it is not counted. Half a second: the machine's speed moves within seconds.
+const ALT_SLICE: Duration = Duration::from_millis(500);
+const ALT_SETTLE: Duration = Duration::from_millis(100);
 /// The long kernel is this many times the short one.
 pub const LONG_FACTOR: u32 = 5;
 
@@ -675,14 +679,21 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
         report += &per_round;
     }
     // The same tenants under FIFO and each policy in turn, switched live.
-    let pairs = ((o.seconds * o.rounds as f64) / 4.0).round().max(3.0) as usize;
+    let pairs = ((o.seconds * o.rounds as f64) / (2.0 * ALT_SLICE.as_secs_f64()))
+        .round()
+        .max(10.0) as usize;
     for p in policies.iter().filter(|p| *p != "fifo") {
-        eprintln!("alternating fifo and {p} live, {pairs} pairs of 2 s slices ...");
-        let ratios = alternating(o, p, short, solo, pairs)?;
+        eprintln!(
+            "alternating fifo and {p} live, {pairs} pairs of {} ms slices ...",
+            ALT_SLICE.as_millis()
+        );
+        let (ratios, pooled) = alternating(o, p, short, solo, pairs)?;
         let _ = writeln!(
             report,
-            "throughput vs FIFO, same tenants, policy switched live every 2 s, {p}: median \
-             {:.1}% ({})",
+            "throughput vs FIFO, same tenants, policy switched live every {} ms, {p}: \
+             pooled {:.1}%, median {:.1}% ({})",
+            ALT_SLICE.as_millis(),
+            100.0 * pooled,
             100.0 * median(&ratios),
             ratios
                 .iter()
@@ -700,26 +711,26 @@ pub fn fairness(o: &FairOpts) -> Result<String> {
 }
 
 /// Throughput of `policy` against FIFO on the same tenants: one set of tenant processes, the
-/// router's policy switched live between FIFO and `policy` every [`SLICE`], FIFO first and
-/// last. Each `policy` slice is taken against the FIFO slices just before and after it (the
-/// first [`SETTLE`] of every slice is not counted: the new scheduler takes over). Separate
-/// runs with fresh tenants compare minutes apart on a machine whose speed moves by 10% and
-/// more within a minute; adjacent slices of the same tenants do not. Returns the per-pair
-/// ratios of normalized progress.
+/// router's policy switched live between FIFO and `policy` every [`ALT_SLICE`], FIFO first
+/// and last. Each `policy` slice is taken against the FIFO slices just before and after it
+/// (the first [`ALT_SETTLE`] of every slice is not counted: the new scheduler takes over and
+/// the old one's commands drain). Separate runs with fresh tenants compare tens of seconds
+/// apart on a machine whose speed moves by 10% and more within a minute; adjacent half
+/// seconds of the same tenants do not. Returns the per-pair ratios of normalized progress
+/// and the pooled ratio (the policy slices' progress summed over their neighbours' means
+/// summed: the counting error of short slices averages out).
 fn alternating(
     o: &FairOpts,
     policy: &str,
     short: u32,
     solo: Solo,
     pairs: usize,
-) -> Result<Vec<f64>> {
-    const SLICE: Duration = Duration::from_millis(2000);
-    const SETTLE: Duration = Duration::from_millis(500);
+) -> Result<(Vec<f64>, f64)> {
     let handle = router(o, "fifo", &format!("alt-{policy}"))?;
     let n = o.tenants;
     let long: Vec<bool> = (0..n).map(|i| i % 2 == 1).collect();
     let slices = 2 * pairs + 1;
-    let seconds = (SLICE.as_secs_f64() * slices as f64) + 60.0;
+    let seconds = (ALT_SLICE.as_secs_f64() * slices as f64) + 60.0;
     let mut kids = Vec::new();
     for &l in &long {
         let iters = if l { short * LONG_FACTOR } else { short };
@@ -749,9 +760,9 @@ fn alternating(
         let mut progress = Vec::with_capacity(slices);
         for slice in 0..slices {
             handle.set_policy(if slice % 2 == 0 { "fifo" } else { policy })?;
-            std::thread::sleep(SETTLE);
+            std::thread::sleep(ALT_SETTLE);
             let (a, from) = (kernels(), Instant::now());
-            std::thread::sleep(SLICE - SETTLE);
+            std::thread::sleep(ALT_SLICE - ALT_SETTLE);
             let (b, dt) = (kernels(), from.elapsed().as_secs_f64());
             progress.push(
                 (0..n)
@@ -762,10 +773,14 @@ fn alternating(
                     .sum::<f64>(),
             );
         }
-        Ok((1..slices)
+        let around = |k: usize| (progress[k - 1] + progress[k + 1]) / 2.0;
+        let ratios = (1..slices)
             .step_by(2)
-            .map(|k| 2.0 * progress[k] / (progress[k - 1] + progress[k + 1]))
-            .collect())
+            .map(|k| progress[k] / around(k))
+            .collect();
+        let policy_sum: f64 = (1..slices).step_by(2).map(|k| progress[k]).sum();
+        let fifo_sum: f64 = (1..slices).step_by(2).map(around).sum();
+        Ok((ratios, policy_sum / fifo_sum))
     })();
     for mut k in kids {
         let _ = k.kill();

@@ -355,6 +355,7 @@ fn killing_one_tenants_server_mid_kernel_leaves_the_other_correct() {
     drop(rest);
     std::thread::sleep(Duration::from_millis(300));
     let server = server_pid(doomed.raw.tenant).expect("the doomed tenant's server process");
+    let server_env = std::fs::read(format!("/proc/{server}/environ")).unwrap_or_default();
 
     // SAFETY: sending SIGKILL to a child process this test's router spawned.
     unsafe { libc_kill(server) };
@@ -383,6 +384,14 @@ fn killing_one_tenants_server_mid_kernel_leaves_the_other_correct() {
         "sum of 1..=10 everywhere"
     );
     assert_eq!(status, 0, "the router keeps serving new tenants");
+    if std::env::var_os("POCL_AFFINITY").is_none() {
+        assert!(
+            server_env
+                .split(|&b| b == 0)
+                .any(|v| v == b"POCL_AFFINITY=1"),
+            "servers pin PoCL's worker threads"
+        );
+    }
     router.stop();
 }
 
