@@ -22,9 +22,11 @@
 //!
 //! Completions reach the dispatcher through the tenant's completion page
 //! ([`CompletionPage`]): the server counts them there and the dispatcher reads the totals
-//! whenever it decides anything. A DONE message per completion is asked for only while some
-//! command waits for a grant (then completions must wake the dispatcher); a tenant alone on
-//! its device costs the router no wake-up per kernel (virtio's notification suppression).
+//! whenever it decides anything. A DONE message is asked for only for a completion the
+//! dispatcher waits for while some command waits for a grant: the owner's last one (the
+//! device can turn), or the next one when the owner's own command waits for a free slot; a
+//! tenant alone on its device, and an owner's completions before its last, cost no message
+//! (virtio's notification suppression).
 //! Tenants without a page (over-subscription on, or `HIRA_DONE_PAGE=0`) send DONE for
 //! every completion, as servers did before the page.
 //!
@@ -33,7 +35,7 @@
 //! nanoseconds; the state machine ([`State`]) takes the time as an argument, so tests
 //! drive it with a fake clock and fake completions.
 
-use hira_transport::CompletionPage;
+use hira_transport::{CompletionPage, NOTIFY_NEVER};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -315,7 +317,8 @@ struct State {
     anticipate: Nanos,
     /// The drained owner's last completion (device ns), not yet told to the scheduler.
     deferred: Option<(TenantId, Nanos)>,
-    /// Whether the completion pages ask for a DONE per completion (someone waits).
+    /// Whether some command waits for a grant (the pages then ask for the completions the
+    /// dispatcher waits for).
     notify_on: bool,
     busy_ns: u64,
     busy_since: Option<Nanos>,
@@ -362,6 +365,8 @@ struct Slot {
     sleepers: u32,
     /// Where the tenant's server counts completions, and the totals already applied.
     page: Option<(Arc<CompletionPage>, (u64, u64))>,
+    /// The completion count from which the page asks for DONE messages.
+    notify_at: u64,
 }
 
 impl Slot {
@@ -422,6 +427,7 @@ impl State {
                     cv: Arc::new(Condvar::new()),
                     sleepers: 0,
                     page: None,
+                    notify_at: NOTIFY_NEVER,
                 };
                 self.tenants.insert(t, slot);
             }
@@ -430,10 +436,12 @@ impl State {
 
     fn attach_page(&mut self, t: TenantId, page: Arc<CompletionPage>) {
         if let Some(slot) = self.tenants.get_mut(&t) {
-            page.set_notify(self.notify_on);
+            page.notify_from(NOTIFY_NEVER);
+            slot.notify_at = NOTIFY_NEVER;
             let seen = page.totals();
             slot.page = Some((page, seen));
         }
+        self.settle_notify();
     }
 
     /// Applies the completions the pages show and the dispatcher has not seen; true if any.
@@ -466,16 +474,28 @@ impl State {
         !done.is_empty()
     }
 
-    /// Raises the pages' notify flags while a command waits for a grant (or the scheduler has
-    /// picked one that waits for the owner to drain), lowers them when none does.
+    /// Sets each page's threshold: while a command waits for a grant (or the scheduler has
+    /// picked one that waits for the owner to drain), a message for the completion that
+    /// drains the tenant's commands — or for the next one, when the owner's own command waits
+    /// for a free slot; no messages when nobody waits.
     fn settle_notify(&mut self) {
         let want = self.next.is_some() || self.tenants.values().any(|s| s.ready() > 0);
-        if want != self.notify_on {
-            self.notify_on = want;
-            for slot in self.tenants.values() {
-                if let Some((page, _)) = &slot.page {
-                    page.set_notify(want);
-                }
+        self.notify_on = want;
+        let (owner, window_full) = (self.owner, self.inflight >= self.window());
+        for (&t, slot) in &mut self.tenants {
+            let out = slot.dispatched.len() as u64;
+            let slot_wanted = owner == Some(t) && window_full && slot.ready() > 0;
+            let Some((page, seen)) = &slot.page else {
+                continue;
+            };
+            let at = match (want, slot_wanted) {
+                (false, _) => NOTIFY_NEVER,
+                (true, true) => seen.0 + 1,
+                (true, false) => seen.0 + out.max(1),
+            };
+            if at != slot.notify_at {
+                slot.notify_at = at;
+                page.notify_from(at);
             }
         }
     }
@@ -957,6 +977,43 @@ mod tests {
             "the completions read from the page let tenant 2 go"
         );
         assert!(!st.notify_on && !p2.record(0), "nobody waits any more");
+    }
+
+    #[test]
+    fn only_the_completion_that_drains_the_owner_is_announced() {
+        let mut st = state(PolicyKind::Fifo, 4, 2);
+        let p1 = paged(&mut st, 1);
+        submit(&mut st, 1, 3, 0);
+        submit(&mut st, 2, 1, US);
+        st.settle_notify();
+
+        let asked = [p1.record(US), p1.record(US), p1.record(US)];
+
+        assert_eq!(
+            asked,
+            [false, false, true],
+            "tenant 2 waits for the drain, not each kernel"
+        );
+    }
+
+    #[test]
+    fn an_owner_waiting_for_a_slot_hears_of_its_next_completion() {
+        let mut st = state(PolicyKind::Fifo, 2, 1);
+        let p1 = paged(&mut st, 1);
+        let granted = submit(&mut st, 1, 3, 0);
+        st.settle_notify();
+
+        let asked = p1.record(US);
+        st.sync_pages(US);
+        st.pump(US);
+        let more = take_all(&mut st, 1, US);
+        st.settle_notify();
+        let after = p1.record(US);
+
+        assert_eq!(granted, 2, "a window of two");
+        assert!(asked, "the third command waits for a slot");
+        assert_eq!(more, 1);
+        assert!(!after, "nothing waits any more");
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod shm;
 pub mod unix;
 
 pub use board::EventBoard;
-pub use completion::CompletionPage;
+pub use completion::{CompletionPage, NEVER as NOTIFY_NEVER};
 pub use shm::*;
 pub use unix::*;
 
