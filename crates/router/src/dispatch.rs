@@ -317,9 +317,6 @@ struct State {
     anticipate: Nanos,
     /// The drained owner's last completion (device ns), not yet told to the scheduler.
     deferred: Option<(TenantId, Nanos)>,
-    /// Whether some command waits for a grant (the pages then ask for the completions the
-    /// dispatcher waits for).
-    notify_on: bool,
     busy_ns: u64,
     busy_since: Option<Nanos>,
     dispatched: u64,
@@ -397,7 +394,6 @@ impl State {
             next_wake: None,
             anticipate: cfg.band_wait,
             deferred: None,
-            notify_on: false,
             busy_ns: 0,
             busy_since: None,
             dispatched: 0,
@@ -474,13 +470,18 @@ impl State {
         !done.is_empty()
     }
 
+    /// Whether some command waits for a grant (then the pages ask for the completions the
+    /// dispatcher waits for).
+    fn notify_wanted(&self) -> bool {
+        self.next.is_some() || self.tenants.values().any(|s| s.ready() > 0)
+    }
+
     /// Sets each page's threshold: while a command waits for a grant (or the scheduler has
     /// picked one that waits for the owner to drain), a message for the completion that
     /// drains the tenant's commands — or for the next one, when the owner's own command waits
     /// for a free slot; no messages when nobody waits.
     fn settle_notify(&mut self) {
-        let want = self.next.is_some() || self.tenants.values().any(|s| s.ready() > 0);
-        self.notify_on = want;
+        let want = self.notify_wanted();
         let (owner, window_full) = (self.owner, self.inflight >= self.window());
         for (&t, slot) in &mut self.tenants {
             let out = slot.dispatched.len() as u64;
@@ -943,7 +944,7 @@ mod tests {
         assert_eq!(more, 1, "two slots came back through the page");
         assert_eq!(st.tenants[&1].kernels, 2);
         assert_eq!(st.tenants[&1].kernel_ns, 3 * US);
-        assert!(!st.notify_on);
+        assert!(!st.notify_wanted());
     }
 
     #[test]
@@ -976,7 +977,10 @@ mod tests {
             granted, 1,
             "the completions read from the page let tenant 2 go"
         );
-        assert!(!st.notify_on && !p2.record(0), "nobody waits any more");
+        assert!(
+            !st.notify_wanted() && !p2.record(0),
+            "nobody waits any more"
+        );
     }
 
     #[test]
